@@ -1,0 +1,158 @@
+"""Checkpoints and exact resume.
+
+A checkpoint directory `checkpoint-<step>` holds the model in Hugging Face format (safetensors, loadable with
+`from_pretrained`), the tokenizer, `optimizer.pt` + `scheduler.pt` (full, unsharded state), `rng_rank<r>.pt`, and
+`rollout_state.json` = {"prompt_index": first prompt not yet consumed (a low-water mark), "model_version": v,
+"step": step, "consumed": [...]}. Everything is written into `checkpoint-<step>.tmp` and renamed at the end, so a
+kill during a save never leaves a directory that looks complete; leftovers of an interrupted save are removed by
+the next one.
+
+Departure from the reference trainer: we also persist the set of consumed prompt positions above the low-water
+mark, so prompts trained after a stale-dropped one are not trained twice after a resume (TRL PR #5911 review).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if p.is_dir() and (m := _CKPT.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_checkpoint(spec: str | None, output_dir: str | Path) -> Path | None:
+    """`latest` -> newest complete checkpoint in output_dir (None if there is none); a path -> that path."""
+    if spec is None:
+        return None
+    if spec == "latest":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1] if ckpts else None
+    path = Path(spec)
+    if not (path / "rollout_state.json").exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no rollout_state.json); "
+                                f"pass a checkpoint-<step> directory or `latest`")
+    return path
+
+
+def _full_state_dicts(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=opts)
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler,
+                    rollout_state: dict, save_total_limit: int | None = None) -> Path | None:
+    """Collective: every rank calls it. Returns the final path on rank 0."""
+    out = Path(output_dir)
+    final, tmp = out / f"checkpoint-{step}", out / f"checkpoint-{step}.tmp"
+    model_sd, optim_sd = _full_state_dicts(model, optimizer)  # collective under FSDP
+    if _rank() == 0:
+        for stale in out.glob("checkpoint-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        unwrap(model).save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save(optim_sd, tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    _barrier()
+    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _barrier()
+    if _rank() != 0:
+        return None
+    (tmp / "rollout_state.json").write_text(json.dumps(rollout_state | {"step": step}))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if save_total_limit:
+        for old in list_checkpoints(out)[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG; return rollout_state.json."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    path = Path(path)
+    model_sd = {}
+    for f in sorted(path.glob("*.safetensors")):
+        model_sd |= load_file(f)
+    model_sd = _to_model_names(model, model_sd)
+    optim_sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False, strict=False)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    rng = path / f"rng_rank{_rank()}.pt"
+    if rng.exists():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return json.loads((path / "rollout_state.json").read_text())
+
+
+def unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _to_model_names(model, state: dict) -> dict:
+    """save_pretrained may rename keys (checkpoint conversion); map them back by matching the model's names."""
+    names = set(unwrap(model).state_dict().keys())
+    if set(state) <= names:
+        return state
+    missing = names - set(state)
+    raise KeyError(f"checkpoint keys do not match the model ({len(missing)} missing, e.g. {sorted(missing)[:3]}); "
+                   "was it saved from a different architecture?")
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

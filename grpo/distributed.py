@@ -1,0 +1,89 @@
+"""Process group, device and sharding. Only torchrun's environment variables are read (no accelerate).
+
+GPUs: NCCL + FSDP2 (`fully_shard` per decoder layer, then the root). CPU: gloo + FSDP2 as well (it runs on
+torch >= 2.6's CPU path), so a 2-process CPU run exercises the same sharded code as the GPU path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
+    """Join the torchrun process group (or run as a single process when RANK is unset)."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank, world, local_rank, device)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (the FSDP2 wrapping unit)."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0 and hasattr(module, "embed_tokens"):
+            return list(layers)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def shard_model(model: torch.nn.Module, info: DistInfo, mixed_precision: bool) -> torch.nn.Module:
+    """FSDP2 over all ranks (no-op for one process). Parameters stay fp32 masters; bf16 compute when asked."""
+    if info.world_size == 1:
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def all_reduce_sum(value: float, info: DistInfo) -> float:
+    if info.world_size == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=info.device if info.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def broadcast_object(obj, info: DistInfo, src: int = 0):
+    """Rank `src`'s Python object on every rank (pickled)."""
+    if info.world_size == 1:
+        return obj
+    box = [obj if info.rank == src else None]
+    dist.broadcast_object_list(box, src=src, device=info.device if info.device.type == "cuda" else None)
+    return box[0]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        dist.barrier()
