@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import random
 import time
 from dataclasses import dataclass
@@ -197,3 +198,251 @@ class VLLMControl:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- Prometheus metrics (contract section 4) ----------------------------------------------------------------------
+
+
+@dataclass
+class ServerMetrics:
+    """The scheduler gauges the adaptive concurrency cap reads, aggregated over engines (data-parallel ranks)."""
+
+    kv_cache_usage: float
+    """KV-cache usage fraction 0-1, max over engines (`rollout/vllm_kv_cache_usage_frac`)."""
+    running: int
+    """Requests running, summed over engines."""
+    waiting: int
+    """Requests queued, summed over engines."""
+    preemptions_total: float
+    """Cumulative preemptions, summed over engines (the caller logs deltas)."""
+    kv_cache_max_concurrency: float
+    """Sum over engines of `cache_config_info{kv_cache_max_concurrency}`: full-length requests the KV cache holds."""
+
+
+_SAMPLE_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
+
+
+def iter_prometheus(text: str):
+    """Yield (name, labels, value) for each sample line of the Prometheus text format; skip comments and _created."""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE_LINE.match(line)
+        if match is None:
+            raise ValueError(f"not a Prometheus sample line: {line[:200]!r}")
+        name = match["name"]
+        if name.endswith("_created"):
+            continue
+        labels = {m["key"]: m["value"] for m in _LABEL.finditer(match["labels"] or "")}
+        yield name, labels, float(match["value"])
+
+
+def parse_metrics(text: str) -> ServerMetrics:
+    """Aggregate vLLM's gauges over engines; ValueError when the text holds none of them (not a vLLM /metrics)."""
+    usage: list[float] = []
+    sums = {"running": 0.0, "waiting": 0.0, "preemptions": 0.0, "concurrency": 0.0}
+    seen = False
+    for name, labels, value in iter_prometheus(text):
+        # `gpu_cache_usage_perc` is the pre-0.10 name of the same gauge.
+        if name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage.append(value)
+        elif name == "vllm:num_requests_running":
+            sums["running"] += value
+        elif name == "vllm:num_requests_waiting":
+            sums["waiting"] += value
+        elif name == "vllm:num_preemptions_total":
+            sums["preemptions"] += value
+        elif name == "vllm:cache_config_info" and "kv_cache_max_concurrency" in labels:
+            sums["concurrency"] += float(labels["kv_cache_max_concurrency"])
+        else:
+            continue
+        seen = True
+    if not seen:
+        raise ValueError("no vllm:* scheduler metrics found in the /metrics text")
+    return ServerMetrics(kv_cache_usage=max(usage, default=0.0), running=int(sums["running"]),
+                         waiting=int(sums["waiting"]), preemptions_total=sums["preemptions"],
+                         kv_cache_max_concurrency=sums["concurrency"])
+
+
+# ---- response parsing (contract section 3) ------------------------------------------------------------------------
+
+
+def _logprob(value: float | None) -> float:
+    return -math.inf if value is None or value <= NEG_INF_SENTINEL else float(value)
+
+
+def _token_id(key: str) -> int:
+    """`"token_id:<id>"` keys exist only with `return_tokens_as_token_ids`; decoded strings would collide."""
+    prefix, _, ident = key.rpartition(":")
+    if prefix != "token_id":
+        raise ValueError(f"top_logprobs key {key!r} is not 'token_id:<id>'; send return_tokens_as_token_ids=true")
+    return int(ident)
+
+
+def parse_completion_choice(choice: dict, num_logprobs: int) -> tuple[list[int], list[float], list[dict] | None]:
+    """Generated ids, sampled-token logprobs and top-k candidates of a `/v1/completions` choice.
+
+    Each `top_logprobs[j]` holds the sampled token plus the top k: k+1 keys when the sample is outside the top k,
+    k when it is inside [vLLM 0.32]. So the sampled entry is dropped exactly when there are k+1 keys.
+    """
+    output_ids = [int(t) for t in choice["token_ids"]]
+    logprobs = choice["logprobs"]
+    sampled_logprobs = [_logprob(v) for v in logprobs["token_logprobs"]]
+    if num_logprobs == 0:
+        return output_ids, sampled_logprobs, None
+    sampler_top: list[dict[int, float]] = []
+    for sampled_id, entries in zip(output_ids, logprobs["top_logprobs"]):
+        candidates = {_token_id(k): _logprob(v) for k, v in entries.items()}
+        if len(candidates) > num_logprobs:
+            candidates.pop(sampled_id)
+        sampler_top.append(candidates)
+    return output_ids, sampled_logprobs, sampler_top
+
+
+def parse_generate_choice(choice: dict, num_logprobs: int) -> tuple[list[int], list[float], list[dict] | None,
+                                                                     list[list[int]] | None]:
+    """Ids, sampled logprobs, top-k candidates and sampling masks of an `/inference/v1/generate` choice.
+
+    `top_logprobs` lists the sampled token first, then candidates by rank, truncated to the requested count; the
+    request asked for k+1, so the entries of rank <= k are exactly the top k [vLLM 0.32].
+    """
+    output_ids = [int(t) for t in choice["token_ids"]]
+    content = choice["logprobs"]["content"]
+    sampled_logprobs = [_logprob(entry["logprob"]) for entry in content]
+    sampler_top = None
+    if num_logprobs > 0:
+        sampler_top = [{int(c["token_id"]): _logprob(c["logprob"]) for c in entry["top_logprobs"]
+                        if c.get("rank") is not None and c["rank"] <= num_logprobs} for entry in content]
+    masks = choice.get("sampling_mask")
+    if masks is not None:
+        masks = [[int(t) for t in mask] for mask in masks]
+        check_sampling_mask(output_ids, masks)
+    return output_ids, sampled_logprobs, sampler_top, masks
+
+
+def check_sampling_mask(output_ids: list[int], masks: list[list[int]]) -> None:
+    if len(masks) != len(output_ids):
+        raise ValueError(f"sampling_mask has {len(masks)} entries for {len(output_ids)} generated tokens")
+    for j, (token, mask) in enumerate(zip(output_ids, masks)):
+        if token not in mask:
+            raise ValueError(f"sampled token {token} at position {j} is outside its sampling_mask {mask[:16]}; "
+                             f"the server's mask does not describe its sampler (vLLM bug or mismatched flags)")
+
+
+# ---- asynchronous generation client -------------------------------------------------------------------------------
+
+
+class VLLMClient:
+    """Token-in/token-out generation for the rollout worker. Bound to the event loop of its first request.
+
+    Connection errors, timeouts and 5xx answers are retried with backoff min(2**k, 16) s up to `max_retries`
+    times (counted in `retry_count`, logged as `rollout/vllm_retry_count`); 4xx answers are configuration
+    errors and raise `VLLMServerError` at once.
+    """
+
+    def __init__(self, base_url: str, model: str, timeout: float = 1800.0, max_retries: int = 5):
+        self.base_url, self.model = base_url.rstrip("/"), model
+        self.timeout, self.max_retries = timeout, max_retries
+        self.retry_count = 0
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._max_model_len: int | None = None
+        self._seeds = random.Random()  # seeded from os.urandom: seeds differ across processes and requests
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, limits=limits)
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("VLLMClient is bound to the event loop that first used it; create one per loop")
+        return self._http
+
+    async def _request(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
+        """One HTTP call with retries on transport errors and 5xx (contract section 3.4)."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self._client().request(method, route, **kwargs)
+            except httpx.TransportError as exc:  # connection refused/reset, read/connect timeouts
+                if attempt == self.max_retries:
+                    raise ConnectionError(f"vLLM server at {self.base_url}{route} unreachable after "
+                                          f"{attempt + 1} attempts: {type(exc).__name__}: {exc}") from exc
+            else:
+                if response.status_code < 500 or attempt == self.max_retries:
+                    raise_for_status(response, route)
+                    return response
+            self.retry_count += 1
+            await asyncio.sleep(min(2**attempt, 16))
+        raise AssertionError("unreachable")
+
+    async def wait_ready(self) -> None:
+        """Poll `/health` until 200, for at most `timeout` seconds (readiness is not retried past that)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                if (await self._client().get("/health", timeout=5.0)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"vLLM server at {self.base_url} not ready after {self.timeout:.0f} s")
+            await asyncio.sleep(1.0)
+
+    async def max_model_len(self) -> int:
+        if self._max_model_len is None:
+            models = (await self._request("GET", "/v1/models")).json()
+            self._max_model_len = int(models["data"][0]["max_model_len"])
+        return self._max_model_len
+
+    async def metrics(self) -> ServerMetrics | None:
+        """Scheduler gauges from `/metrics`; None when the route is missing or its text is not vLLM's."""
+        try:
+            response = await self._request("GET", "/metrics")
+            return parse_metrics(response.text)
+        except (VLLMServerError, ValueError):
+            return None
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = 0, min_p: float | None = None,
+                       repetition_penalty: float = 1.0, num_logprobs: int = 0, use_generate_endpoint: bool = False,
+                       seed: int | None = None, model: str | None = None) -> TurnRecord:
+        """Sample one turn. `max_tokens` is clamped to the room left under max_model_len (contract 3.3)."""
+        limit = await self.max_model_len()
+        if len(prompt_ids) >= limit:
+            raise PromptTooLongError(len(prompt_ids), limit)
+        sampling = {"max_tokens": min(max_tokens, limit - len(prompt_ids)), "temperature": temperature,
+                    "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty, "n": 1,
+                    # A fresh seed per request: engines sharing a seed decode identical rollouts (spec).
+                    "seed": self._seeds.getrandbits(63) if seed is None else seed}
+        if min_p is not None:
+            sampling["min_p"] = min_p
+        if use_generate_endpoint:
+            return await self._generate_tokens(prompt_ids, sampling, num_logprobs, model or self.model)
+        return await self._complete(prompt_ids, sampling, num_logprobs, model or self.model)
+
+    async def _complete(self, prompt_ids: list[int], sampling: dict, num_logprobs: int, model: str) -> TurnRecord:
+        body = {"model": model, "prompt": list(prompt_ids), **sampling, "logprobs": num_logprobs,
+                "return_token_ids": True, "return_tokens_as_token_ids": True}
+        choice = (await self._request("POST", "/v1/completions", json=body)).json()["choices"][0]
+        output_ids, sampled_logprobs, sampler_top = parse_completion_choice(choice, num_logprobs)
+        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=output_ids, output_log_probs=sampled_logprobs,
+                          output_sampler_logprobs=sampler_top, finish_reason=choice.get("finish_reason"))
+
+    async def _generate_tokens(self, prompt_ids: list[int], sampling: dict, num_logprobs: int,
+                               model: str) -> TurnRecord:
+        # k+1 requested: the list is [sampled, candidates by rank] truncated to the requested count (vllm.md 3.2).
+        sampling = sampling | {"logprobs": num_logprobs + 1 if num_logprobs > 0 else 0}
+        body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": sampling, "stream": False}
+        choice = (await self._request("POST", "/inference/v1/generate", json=body)).json()["choices"][0]
+        output_ids, sampled_logprobs, sampler_top, masks = parse_generate_choice(choice, num_logprobs)
+        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=output_ids, output_log_probs=sampled_logprobs,
+                          output_sampling_mask=masks, output_sampler_logprobs=sampler_top,
+                          finish_reason=choice.get("finish_reason"))
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
