@@ -1,0 +1,253 @@
+"""Tree-packed forward of Gated DeltaNet (GDN) layers: Qwen3.5 hybrids trained on prefix-trie rows.
+
+A GDN layer scans along the sequence twice (algorithms.md section 7.2): a short causal depthwise conv over the
+projected q/k/v, then the gated delta-rule recurrence S_t = g_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T,
+o_t = S_t q_t. In a packed trie a token's history is its path, not the packed positions before it, so:
+
+- the conv reads the token's K_c - 1 path predecessors (`token_pred` chained, zero past the root) through an
+  [N, K_c] index table - a gather plus a depthwise product (`tree_causal_conv1d`);
+- the recurrence runs each segment (a unary chain, contiguous in the row) from its parent segment's final
+  state, one batched chunked call per level of the segment tree (`tree_chunk_gated_delta_rule`), so sequential
+  launches = tree depth, not segment count. Autograd flows through the initial states, so a child's loss reaches
+  its parent's chain.
+
+Departures from the unpacked layer, all exact up to fp rounding: chunk boundaries restart at every segment; a
+level's segments are right-padded to its longest one with g = 0, beta = 0, k = q = v = 0, which leaves the
+state unchanged, so final states are exact (padding costs compute, not correctness; a varlen kernel would avoid
+it).
+
+`patch_gdn_layers` is the one place this codebase wraps model code: transformers routes attention through
+`AttentionInterface` (which `grpo/tree_attention.py` uses), but has no such interface for recurrent layers, so
+the GDN modules' `forward` is wrapped per instance (transformers' files are not edited). The wrapper takes the
+tree path only while `grpo.tree_attention.ACTIVE_ROW` holds a row, and calls the original forward otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LevelPlan:
+    """The segments of one segment-tree level, right-padded into a batch."""
+
+    gather_index: torch.Tensor  # [B, T] packed position of each slot; N (a zero row) for padding
+    valid: torch.Tensor  # [B, T] bool, False at padding
+    parent_slot: torch.Tensor | None  # [B] row of the parent in the previous level's final states; None for roots
+
+
+@dataclass(frozen=True)
+class TreeScanPlan:
+    """Index tables one packed row needs in every GDN layer (built once per row, shared by all layers)."""
+
+    conv_index: torch.Tensor  # [N, K_c] packed index of each conv tap in transformers' weight order; N = zero row
+    levels: list[LevelPlan]
+    unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
+
+
+def conv_index_table(token_pred: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """[N, K_c] table whose column i holds pred_{K_c-1-i}(n) (N past the root), matching `nn.Conv1d` taps.
+
+    transformers' causal conv computes out[t] = sum_i w[i] x[t - (K_c - 1) + i], so tap i reads the input
+    K_c - 1 - i steps back along the token's own path.
+    """
+    n_tokens = token_pred.shape[0]
+    pred = torch.arange(n_tokens, device=token_pred.device)  # [N] pred_0(n) = n
+    columns = [pred]
+    for _ in range(kernel_size - 1):
+        pred = torch.where(pred >= 0, token_pred[pred.clamp(min=0)], pred)
+        columns.append(pred)
+    table = torch.stack(columns[::-1], dim=1)  # [N, K_c]
+    return torch.where(table >= 0, table, n_tokens)
+
+
+def segment_levels(seg_parent: list[int]) -> list[int]:
+    """Depth of every segment in the segment tree; parents must precede children (DFS pre-order)."""
+    levels: list[int] = []
+    for seg, parent in enumerate(seg_parent):
+        if parent >= seg:
+            raise ValueError(f"segment {seg} has parent {parent}: rows must list segments in DFS pre-order "
+                             "(build them with grpo.trie.pack_samples)")
+        levels.append(0 if parent < 0 else levels[parent] + 1)
+    return levels
+
+
+def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_parent: torch.Tensor,
+                   kernel_size: int) -> TreeScanPlan:
+    """Build the conv index table and the per-level padded batches of one packed row."""
+    device = token_pred.device
+    bounds = cu_seqlens.tolist()
+    parents = seg_parent.tolist()
+    levels = segment_levels(parents)
+    slot_in_level: dict[int, int] = {}
+    by_level: list[list[int]] = [[] for _ in range(max(levels, default=-1) + 1)]
+    for seg, level in enumerate(levels):
+        slot_in_level[seg] = len(by_level[level])
+        by_level[level].append(seg)
+    plans = []
+    for level, segs in enumerate(by_level):
+        starts = torch.tensor([bounds[s] for s in segs], device=device)  # [B]
+        lengths = torch.tensor([bounds[s + 1] - bounds[s] for s in segs], device=device)  # [B]
+        offsets = torch.arange(int(lengths.max()), device=device)  # [T]
+        valid = offsets[None, :] < lengths[:, None]  # [B, T]
+        gather_index = torch.where(valid, starts[:, None] + offsets[None, :], token_pred.shape[0])  # [B, T]
+        parent_slot = None if level == 0 else torch.tensor([slot_in_level[parents[s]] for s in segs], device=device)
+        plans.append(LevelPlan(gather_index, valid, parent_slot))
+    order = torch.cat([p.gather_index[p.valid] for p in plans])  # [N] packed positions, level-major
+    return TreeScanPlan(conv_index_table(token_pred, kernel_size), plans, torch.argsort(order))
+
+
+class _TreeDepthwiseConv(torch.autograd.Function):
+    """out[n, c] = sum_i w[c, i] x[idx[n, i], c], accumulated in fp32 (or wider) and returned in the weight dtype.
+
+    A custom backward so that autograd saves x and the index table, not the K_c-times larger gathered windows
+    (memory then matches transformers' conv, which saves only its input).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, conv_index):  # x [N, C], weight [C, K_c], conv_index [N, K_c]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        x_padded = F.pad(x, (0, 0, 0, 1))  # [N + 1, C], last row = causal zero padding
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)  # [N, C]
+        for tap in range(weight.shape[1]):
+            out += x_padded[conv_index[:, tap]].to(acc) * weight[:, tap].to(acc)
+        ctx.save_for_backward(x, weight, conv_index)
+        return out.to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out [N, C]
+        x, weight, conv_index = ctx.saved_tensors
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        x_padded = F.pad(x, (0, 0, 0, 1)).to(acc)  # [N + 1, C]
+        grad_out = grad_out.to(acc)
+        grad_x_padded = torch.zeros_like(x_padded)  # [N + 1, C]
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # [C, K_c]
+        for tap in range(weight.shape[1]):
+            grad_weight[:, tap] = (grad_out * x_padded[conv_index[:, tap]]).sum(0)
+            grad_x_padded.index_add_(0, conv_index[:, tap], grad_out * weight[:, tap].to(acc))
+        return grad_x_padded[:-1].to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       activation: str | None, conv_index: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv along each token's path: the packed-row twin of transformers' `causal_conv1d_fn`.
+
+    Like it, the conv runs in the weight dtype, the activation follows, and the result returns in the input dtype.
+    """
+    from transformers.activations import ACT2FN
+
+    out = _TreeDepthwiseConv.apply(mixed_qkv.to(weight.dtype), weight, conv_index)  # [N, C]
+    if bias is not None:
+        out = out + bias
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(mixed_qkv.dtype)
+
+
+def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
+    """Chunked gated delta rule over a segment tree, one `chunk_rule` call per level.
+
+    query/key [N, H, D_k], value [N, H, D_v], g/beta [N, H] (heads already repeated to the value heads);
+    returns [N, H, D_v]. `chunk_rule` has the signature of transformers' `torch_chunk_gated_delta_rule` (the
+    model module's binding, which is FLA's kernel when `fla` is installed).
+    """
+    padded = [F.pad(t, (0, 0) * (t.dim() - 1) + (0, 1)) for t in (query, key, value, g, beta)]  # zero row N
+    outputs, final_states = [], None
+    for level in plan.levels:
+        q_l, k_l, v_l, g_l, beta_l = (t[level.gather_index] for t in padded)  # [B, T, ...]
+        initial_state = None if level.parent_slot is None else final_states[level.parent_slot]  # [B, H, D_k, D_v]
+        out_l, final_states = chunk_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outputs.append(out_l[level.valid])  # [n_level, H, D_v]
+    return torch.cat(outputs)[plan.unpermute]  # [N, H, D_v]
+
+
+def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> torch.Tensor:
+    """A Qwen3.5 GDN layer's forward on one packed row: hidden_states [1, N, hidden] -> [1, N, hidden].
+
+    Mirrors `Qwen3_5GatedDeltaNet.forward` without cache, with the conv and the recurrence made tree-aware.
+    """
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"tree-packed GDN expects one unpadded row (batch 1), got batch {hidden_states.shape[0]}")
+    x = hidden_states[0]  # [N, hidden]
+    n_tokens = x.shape[0]
+    mixed_qkv = tree_causal_conv1d(layer.in_proj_qkv(x), layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
+                                   layer.activation, plan.conv_index)  # [N, 2 key_dim + value_dim]
+    query, key, value = torch.split(mixed_qkv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    query = query.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]
+    key = key.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]
+    value = value.reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
+    z = layer.in_proj_z(x).reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
+    beta = layer.in_proj_b(x).sigmoid()  # [N, H_v]
+    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias)  # [N, H_v]
+    if layer.num_v_heads // layer.num_k_heads > 1:
+        query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
+        key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
+    chunk_rule = sys.modules[type(layer).__module__].torch_chunk_gated_delta_rule
+    core_attn_out = tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan)  # [N, H_v, D_v]
+    core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(core_attn_out.reshape(1, n_tokens, -1))  # [1, N, hidden]
+
+
+def is_gdn_layer(module) -> bool:
+    """True for Qwen3.5-style GDN modules (fused in_proj_qkv + separate z/b/a projections, one conv1d)."""
+    return type(module).__name__.endswith("GatedDeltaNet") and all(
+        hasattr(module, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d"))
+
+
+def patch_gdn_layers(model) -> int:
+    """Wrap every GDN layer's `forward` so it runs tree-aware while `ACTIVE_ROW` holds a packed row.
+
+    Works on text and VLM Qwen3.5 models (any module tree). Idempotent; returns the number of GDN layers.
+    Outside a packed forward (no active row) the original forward runs unchanged, e.g. for generation.
+    Models whose GDN modules have another layout (Qwen3-Next's fused in_proj_qkvz) are rejected by name.
+    """
+    plan_cache = _RowPlanCache()
+    n_layers = 0
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("GatedDeltaNet") and not is_gdn_layer(module):
+            raise NotImplementedError(f"{name}: {type(module).__name__} does not have Qwen3.5's GDN layout "
+                                      "(in_proj_qkv/in_proj_z/in_proj_b/in_proj_a); add a tree forward for it")
+        if not is_gdn_layer(module):
+            continue
+        n_layers += 1
+        if getattr(module, "_tree_original_forward", None) is None:
+            module._tree_original_forward = module.forward
+            module.forward = functools.partial(_tree_aware_forward, module, plan_cache)
+    return n_layers
+
+
+class _RowPlanCache:
+    """The plan of the most recent row, so all GDN layers of one forward (and its recompute) share it."""
+
+    def __init__(self):
+        self.row = None
+        self.kernel_size = None
+        self.plan = None
+
+    def get(self, row, kernel_size: int) -> TreeScanPlan:
+        if row is not self.row or kernel_size != self.kernel_size:
+            self.plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, kernel_size)
+            self.row, self.kernel_size = row, kernel_size
+        return self.plan
+
+
+def _tree_aware_forward(layer, plan_cache: _RowPlanCache, hidden_states, cache_params=None, attention_mask=None,
+                        **kwargs):
+    from grpo.tree_attention import ACTIVE_ROW
+
+    row = ACTIVE_ROW.get(None)
+    if row is None:
+        return layer._tree_original_forward(hidden_states, cache_params=cache_params,
+                                            attention_mask=attention_mask, **kwargs)
+    if cache_params is not None:
+        raise ValueError("tree-packed GDN forward does not use a cache: call the model with use_cache=False")
+    if hidden_states.shape[:2] != (1, row.input_ids.shape[0]):
+        raise ValueError(f"hidden states {tuple(hidden_states.shape)} do not match the active packed row of "
+                         f"{row.input_ids.shape[0]} tokens: unpad the row and forward it as batch 1")
+    return tree_gdn_forward(layer, hidden_states, plan_cache.get(row, layer.conv_kernel_size))
