@@ -1,0 +1,137 @@
+"""Metric windows and the run logger (algorithms.md section 12).
+
+Producers (the rollout worker, the queue, the trainer) push `(name, value)` items, or rate pairs
+`(name, (numerator, denominator))`. A window collects everything pushed since the previous log and reduces each
+name by the spec's rules:
+
+1. rate pairs -> sum(numerators) / sum(denominators) (NaN when the denominators sum to 0);
+2. a last name component (after the final "/") holding the word `count` (split on "_") -> sum of the deltas;
+3. one holding `max` or `min` -> the extreme;
+4. anything else -> the mean over items.
+NaNs are dropped first; a name whose every item is NaN reduces to NaN.
+
+`MetricsLogger` writes each reduced window to TensorBoard and as one line of `metrics.jsonl`, and prints a
+one-line console summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MetricItem = tuple[str, Any]
+"""`(name, value)` or `(name, (numerator, denominator))`."""
+
+
+def reduction_of(name: str) -> str:
+    """"count" (sum), "max", "min" or "mean" for a non-rate metric name."""
+    words = name.rsplit("/", 1)[-1].split("_")
+    if "count" in words:
+        return "count"
+    if "max" in words:
+        return "max"
+    if "min" in words:
+        return "min"
+    return "mean"
+
+
+def _is_nan(x: float) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+class MetricsWindow:
+    """Accumulates pushed items until `reduce()`, which returns the window's metrics and starts a new window."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[float]] = defaultdict(list)
+        self._rates: dict[str, list[tuple[float, float]]] = defaultdict(list)
+
+    def add(self, name: str, value: Any) -> None:
+        if isinstance(value, tuple):
+            num, den = float(value[0]), float(value[1])
+            self._rates[name].append((num, den))
+        else:
+            self._values[name].append(float(value))
+
+    def extend(self, items: Iterable[MetricItem]) -> None:
+        for name, value in items:
+            self.add(name, value)
+
+    def __len__(self) -> int:
+        return len(self._values) + len(self._rates)
+
+    def reduce(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, pairs in self._rates.items():
+            pairs = [(n, d) for n, d in pairs if not (_is_nan(n) or _is_nan(d))]
+            den = sum(d for _, d in pairs)
+            out[name] = sum(n for n, _ in pairs) / den if den != 0 else float("nan")
+        for name, values in self._values.items():
+            kept = [v for v in values if not _is_nan(v)]
+            if not kept:
+                out[name] = float("nan")
+                continue
+            rule = reduction_of(name)
+            if rule == "count":
+                out[name] = float(sum(kept))
+            elif rule == "max":
+                out[name] = max(kept)
+            elif rule == "min":
+                out[name] = min(kept)
+            else:
+                out[name] = sum(kept) / len(kept)
+        self._values.clear()
+        self._rates.clear()
+        return out
+
+
+# Shown first in the console line when present, in this order.
+_CONSOLE_KEYS = ("loss", "reward", "reward_kept", "frac_reward_zero_std", "completions/mean_length",
+                 "sample/staleness_mean", "rollout/generated_tokens_per_s", "perf/step_s", "perf/rollout_wait_s")
+
+
+def console_line(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step}"]
+    for key in _CONSOLE_KEYS:
+        if key in metrics:
+            parts.append(f"{key.rsplit('/', 1)[-1]} {metrics[key]:.4g}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """TensorBoard scalars + `metrics.jsonl` + a console line per log. Disabled (non-zero ranks) = no-op."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool = True, console: bool = True):
+        self.enabled, self.console = enabled, console
+        self.output_dir = Path(output_dir)
+        self._writer = None
+        self._jsonl = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+            self._jsonl = open(self.output_dir / "metrics.jsonl", "a")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, step)
+        record = {"step": step, "time": time.time()}
+        record.update({k: (None if _is_nan(v) else v) for k, v in metrics.items()})
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self.console:
+            print(console_line(step, metrics), flush=True)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._jsonl.close()
+            self._writer = self._jsonl = None
