@@ -1,0 +1,298 @@
+"""Tree attention: run a `PackedRow` through an unmodified Hugging Face decoder (algorithms.md section 7.1).
+
+We register one attention function, `grpo_tree`, through transformers' `AttentionInterface` and switch the text
+decoder to it. The decoder is called with input_ids [1, N] and position_ids [1, N] (= trie depth, so RoPE sees
+each token at its position in every sample through it), plus a `tree_context` keyword that transformers forwards
+untouched to every attention call. Because the context travels as a keyword argument (not only a global), it
+survives gradient checkpointing, which re-runs layers during backward outside this function's dynamic extent.
+With no `tree_context` the function falls back to transformers' SDPA, so ordinary forwards keep working.
+
+Backends (same math, three formulations):
+- "flash_varlen": gather each segment's root-to-segment path K/V (kv_index) and call varlen causal attention
+  with bottom-right alignment: torch's `varlen_attn(..., window_size=(-1, 0))`, or the `kernels` flash-attn
+  varlen kernel when torch lacks it (TRL uses FlashAttention-3 varlen the same way).
+- "flex": FlexAttention with the Euler-tour ancestor mask k <= q < subtree_end[k] (TRL PR #7328; AReaL), compiled
+  on CUDA. No K/V duplication.
+- "sdpa": dense [N, N] ancestor mask + SDPA, GQA by repeating K/V heads; the CPU reference.
+- "gathered_sdpa": formulation 1 written with a dense [N, K] mask over the gathered K/V; checks kv_index and the
+  cu_seqlens on CPU (test oracle, O(N K) memory).
+
+Qwen3.5 (`Qwen3_5ForConditionalGeneration`): only the text stack runs; its full-attention layers go through this
+function and position ids are the depth on all four M-RoPE rows (text-only, so temporal = height = width =
+depth). Its Gated DeltaNet layers are NOT made tree-aware here: `grpo/gdn.py` reads `ACTIVE_ROW` (or the
+`tree_context` keyword) and patches them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from grpo.trie import PackedRow
+
+logger = logging.getLogger(__name__)
+
+ATTN_NAME = "grpo_tree"
+BACKENDS = ("flash_varlen", "flex", "sdpa", "gathered_sdpa")
+ACTIVE_ROW: contextvars.ContextVar[PackedRow | None] = contextvars.ContextVar("ACTIVE_ROW", default=None)
+"""The PackedRow being forwarded by `forward_hidden` (on the model's device); None outside it."""
+
+_logged: set[str] = set()
+_compiled_flex = None
+
+
+@dataclass
+class TreeContext:
+    """Per-forward state shared by every layer: the row on device and masks built once, lazily."""
+
+    row: PackedRow
+    backend: str
+    cache: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------- backend choice
+
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _kernels_flash_varlen():
+    """`flash_attn_varlen_func` from the `kernels` hub flash-attn kernel, or None (needs a cached download)."""
+    try:
+        from kernels import get_kernel
+
+        for repo in ("kernels-community/flash-attn3", "kernels-community/flash-attn"):
+            try:
+                return get_kernel(repo).flash_attn_varlen_func
+            except Exception:  # noqa: BLE001 - any failure means "not loadable here", reported by the caller
+                continue
+    except ImportError:
+        return None
+    return None
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+def select_backend(requested: str = "auto", device: torch.device | str = "cpu") -> str:
+    """Resolve `requested` ("auto" or one of BACKENDS) for `device`; logs one line saying which and why."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if requested == "auto":
+        if cuda and (_torch_varlen() is not None or _kernels_flash_varlen() is not None):
+            choice, why = "flash_varlen", "CUDA device and a varlen attention kernel is available"
+        elif cuda and _flex_available():
+            choice, why = "flex", "CUDA device without a varlen kernel; FlexAttention is available"
+        else:
+            choice, why = "sdpa", f"{device.type} device: dense ancestor mask + SDPA (O(N^2) memory reference)"
+    elif requested in BACKENDS:
+        choice, why = requested, "requested explicitly"
+        if requested == "flash_varlen" and not (cuda and (_torch_varlen() or _kernels_flash_varlen())):
+            raise RuntimeError("tree attention backend 'flash_varlen' needs a CUDA device and torch>=2.10 "
+                               "(torch.nn.attention.varlen) or a cached `kernels` flash-attn kernel; "
+                               "use backend='flex' or 'sdpa'")
+        if requested == "flex" and not _flex_available():
+            raise RuntimeError("tree attention backend 'flex' needs torch.nn.attention.flex_attention; use 'sdpa'")
+    else:
+        raise ValueError(f"unknown tree attention backend {requested!r}; choose 'auto' or one of {BACKENDS}")
+    _log_once(f"tree attention backend: {choice} ({why})")
+    return choice
+
+
+# --------------------------------------------------------------------------------------------- backends
+
+def _dense_mask(ctx: TreeContext, window: int | None) -> torch.Tensor:
+    key = ("dense", window)
+    if key not in ctx.cache:
+        mask = ctx.row.ancestor_mask()  # [N, N]
+        if window is not None:
+            depth = ctx.row.position_ids
+            mask = mask & ((depth[:, None] - depth[None, :]) < window)
+        ctx.cache[key] = mask
+    return ctx.cache[key]
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sdpa(ctx, query, key, value, scaling, window):
+    # query [1, H, N, D], key/value [1, Hkv, N, D]
+    mask = _dense_mask(ctx, window)
+    heads = query.shape[1]
+    out = F.scaled_dot_product_attention(query, _repeat_kv(key, heads), _repeat_kv(value, heads),
+                                         attn_mask=mask, scale=scaling)  # [1, H, N, D]
+    return out.transpose(1, 2)
+
+
+def _gathered_mask(ctx: TreeContext, window: int | None) -> torch.Tensor:
+    """[N, K] bool: query j of a segment of length Lq over a path of length Lk sees path keys 0 .. Lk - Lq + j."""
+    key = ("gathered", window)
+    if key not in ctx.cache:
+        row = ctx.row
+        cu_q, cu_k = row.cu_seqlens_q.long(), row.cu_seqlens_k.long()
+        seg_q = torch.repeat_interleave(torch.arange(len(cu_q) - 1, device=cu_q.device), cu_q.diff())  # [N]
+        seg_k = torch.repeat_interleave(torch.arange(len(cu_k) - 1, device=cu_k.device), cu_k.diff())  # [K]
+        q_off = torch.arange(len(seg_q), device=cu_q.device) - cu_q[seg_q]  # [N]
+        k_off = torch.arange(len(seg_k), device=cu_k.device) - cu_k[seg_k]  # [K]
+        limit = (cu_k.diff() - cu_q.diff())[seg_q] + q_off  # [N], bottom-right alignment
+        mask = (seg_q[:, None] == seg_k[None, :]) & (k_off[None, :] <= limit[:, None])
+        if window is not None:
+            mask = mask & (k_off[None, :] > limit[:, None] - window)
+        ctx.cache[key] = mask
+    return ctx.cache[key]
+
+
+def _gathered_sdpa(ctx, query, key, value, scaling, window):
+    idx = ctx.row.kv_index
+    heads = query.shape[1]
+    key_g, value_g = _repeat_kv(key[:, :, idx], heads), _repeat_kv(value[:, :, idx], heads)  # [1, H, K, D]
+    out = F.scaled_dot_product_attention(query, key_g, value_g, attn_mask=_gathered_mask(ctx, window),
+                                         scale=scaling)  # [1, H, N, D]
+    return out.transpose(1, 2)
+
+
+def _flash_varlen(ctx, query, key, value, scaling, window):
+    row = ctx.row
+    q = query[0].transpose(0, 1)  # [N, H, D]
+    k = key[0].transpose(0, 1)[row.kv_index]  # [K, Hkv, D], shared prefixes gathered once per descendant segment
+    v = value[0].transpose(0, 1)[row.kv_index]  # [K, Hkv, D]
+    left = -1 if window is None else window - 1
+    varlen = _torch_varlen()
+    if varlen is not None:
+        kwargs = {"scale": scaling, "window_size": (left, 0)}
+        if "enable_gqa" in inspect.signature(varlen).parameters and k.shape[1] != q.shape[1]:
+            kwargs["enable_gqa"] = True
+        out = varlen(q, k, v, row.cu_seqlens_q, row.cu_seqlens_k, row.max_seqlen_q, row.max_seqlen_k, **kwargs)
+    else:
+        flash = ctx.cache.get("kernels_flash") or _kernels_flash_varlen()
+        ctx.cache["kernels_flash"] = flash
+        out = flash(q, k, v, row.cu_seqlens_q, row.cu_seqlens_k, row.max_seqlen_q, row.max_seqlen_k,
+                    softmax_scale=scaling, causal=True, window_size=(left, 0))
+        out = out[0] if isinstance(out, tuple) else out
+    return out[None]  # [1, N, H, D]
+
+
+def _block_mask(ctx: TreeContext, window: int | None):
+    key = ("block", window)
+    if key not in ctx.cache:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        subtree_end, depth = ctx.row.subtree_end, ctx.row.position_ids
+
+        def ancestor(b, h, q_idx, kv_idx):
+            allowed = (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+            if window is not None:
+                allowed = allowed & ((depth[q_idx] - depth[kv_idx]) < window)
+            return allowed
+
+        n = ctx.row.num_tokens
+        device = ctx.row.input_ids.device
+        ctx.cache[key] = create_block_mask(ancestor, None, None, n, n, device=device, _compile=device.type == "cuda")
+    return ctx.cache[key]
+
+
+def _flex_fn(device: torch.device):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention  # eager flex on CPU materialises scores: fine for tiny test models
+    if _compiled_flex is None:
+        # dynamic=True: row lengths change every micro-batch; static shapes would recompile per length
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+def _flex(ctx, query, key, value, scaling, window):
+    block_mask = _block_mask(ctx, window)
+    enable_gqa = key.shape[1] != query.shape[1]
+    out = _flex_fn(query.device)(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)  # [1, N, H, D]
+
+
+_BACKEND_FN = {"sdpa": _sdpa, "gathered_sdpa": _gathered_sdpa, "flash_varlen": _flash_varlen, "flex": _flex}
+
+
+def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                           scaling: float | None = None, sliding_window: int | None = None,
+                           tree_context: TreeContext | None = None, **kwargs):
+    """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None)."""
+    if tree_context is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"tree attention packs one row per forward (batch 1), got batch {query.shape[0]}")
+    if dropout:
+        raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
+    fn = _BACKEND_FN[tree_context.backend]
+    return fn(tree_context, query, key, value, scaling, sliding_window), None
+
+
+# --------------------------------------------------------------------------------------------- model glue
+
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack whose output is the final-norm hidden state (Qwen3, Qwen3-MoE, Qwen3.5 text stack)."""
+    inner = getattr(model, "model", model)
+    return getattr(inner, "language_model", inner)
+
+
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """[V, H] output projection (tied or not) for the caller's chunked logprobs."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings; pass a *ForCausalLM or "
+                         "*ForConditionalGeneration model")
+    return head.weight
+
+
+def install_tree_attention(model: torch.nn.Module) -> None:
+    """Register `grpo_tree` and switch the text decoder to it (idempotent; other calls fall back to SDPA)."""
+    from transformers import AttentionInterface
+
+    if ATTN_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_NAME, tree_attention_forward)
+    decoder = text_decoder(model)
+    if decoder.config._attn_implementation != ATTN_NAME:
+        decoder.set_attn_implementation(ATTN_NAME)
+
+
+def forward_hidden(model: torch.nn.Module, row: PackedRow, backend: str = "auto") -> torch.Tensor:
+    """Final-norm hidden states [N, hidden] of `row`'s tree-packed forward. Logits are the caller's business
+    (chunked over hidden[row.token_index] with `lm_head_weight(model)`), so the [N, V] matrix never exists."""
+    decoder = text_decoder(model)
+    device = decoder.embed_tokens.weight.device
+    install_tree_attention(model)
+    backend = select_backend(backend, device)
+    if row.input_ids.device != device:
+        row = row.to(device, non_blocking=True)
+    ctx = TreeContext(row=row, backend=backend)
+    token = ACTIVE_ROW.set(row)
+    try:
+        out = decoder(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
+                      tree_context=ctx)
+    finally:
+        ACTIVE_ROW.reset(token)
+    return out.last_hidden_state[0]  # [N, hidden]
