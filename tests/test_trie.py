@@ -1,0 +1,167 @@
+"""Prefix-trie packing invariants against a naive per-token trie (algorithms.md section 7)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from grpo.samples import TrainingSample
+from grpo.trie import pack_samples
+from test_tree_attention import random_row_samples
+
+
+def naive_layout(samples):
+    """Per-token dict trie keyed by (token, next token), DFS pre-order with children in insertion order.
+    Returns [(token, depth)] in packed order and, per sample, its packed indices."""
+    root: dict = {}
+    for s in samples:
+        node = root
+        ids = list(s.input_ids)
+        for d, tok in enumerate(ids):
+            key = (tok, ids[d + 1] if d + 1 < len(ids) else None)
+            node = node.setdefault(key, {})
+    order, index_of = [], {}
+
+    def visit(node, prefix):
+        for key, child in node.items():
+            index_of[prefix + (key,)] = len(order)
+            order.append((key[0], len(prefix)))
+            visit(child, prefix + (key,))
+
+    visit(root, ())
+    paths = []
+    for s in samples:
+        ids, prefix, path = list(s.input_ids), (), []
+        for d, tok in enumerate(ids):
+            prefix = prefix + ((tok, ids[d + 1] if d + 1 < len(ids) else None),)
+            path.append(index_of[prefix])
+        paths.append(path)
+    return order, paths
+
+
+KINDS = ["shared_prompt", "multi_turn", "nothing_shared"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layout_matches_naive_trie(kind):
+    rng = random.Random(1)
+    for _ in range(50):
+        samples = random_row_samples(rng, kind)
+        row = pack_samples(samples)
+        order, paths = naive_layout(samples)
+        assert row.input_ids.tolist() == [t for t, _ in order]
+        assert row.position_ids.tolist() == [d for _, d in order]
+        assert [p.tolist() for p in row.sample_paths()] == paths
+        assert row.num_tokens == len(order)  # unique-token count
+        assert row.packing_ratio == pytest.approx(sum(len(s) for s in samples) / len(order))
+        assert row.attention_cost == sum(d + 1 for _, d in order)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_paths_masks_and_metadata_agree(kind):
+    rng = random.Random(2)
+    for _ in range(30):
+        samples = random_row_samples(rng, kind)
+        row = pack_samples(samples)
+        mask = row.ancestor_mask()
+        for s, path in zip(samples, row.sample_paths()):
+            assert row.input_ids[path].tolist() == s.input_ids  # every path is the sample's tokens
+            assert row.position_ids[path].tolist() == list(range(len(s)))  # position = depth
+            for j, q in enumerate(path.tolist()):
+                assert torch.nonzero(mask[q])[:, 0].tolist() == sorted(path[: j + 1].tolist())
+                assert row.token_pred[q] == (path[j - 1] if j else -1)
+        cu_q, cu_k = row.cu_seqlens_q.tolist(), row.cu_seqlens_k.tolist()
+        for seg in range(row.num_segments):
+            seg_path = row.kv_index[cu_k[seg]:cu_k[seg + 1]]
+            own = list(range(cu_q[seg], cu_q[seg + 1]))
+            assert seg_path[-len(own):].tolist() == own  # segment is the tail of its path
+            assert torch.nonzero(mask[own[-1]])[:, 0].tolist() == sorted(seg_path.tolist())
+            parent = int(row.seg_parent[seg])
+            expect_prefix = row.kv_index[cu_k[parent]:cu_k[parent + 1]].tolist() if parent >= 0 else []
+            assert seg_path[: len(seg_path) - len(own)].tolist() == expect_prefix
+        assert row.max_seqlen_q == max(np.diff(cu_q)) and row.max_seqlen_k == max(np.diff(cu_k))
+        assert row.cu_seqlens_q.dtype == torch.int32 and row.cu_seqlens_k.dtype == torch.int32
+
+
+def test_loss_terms_keep_targets_advantages_and_logprobs():
+    rng = random.Random(3)
+    for _ in range(30):
+        samples = random_row_samples(rng, "multi_turn")
+        for s in samples:
+            s.sampler_logprobs = [rng.uniform(-5, 0) for _ in s.input_ids]
+        row = pack_samples(samples)
+        expect = []
+        for sid, (s, path) in enumerate(zip(samples, row.sample_paths())):
+            for i in range(1, len(s)):
+                if s.completion_mask[i]:
+                    expect.append((int(path[i - 1]), s.input_ids[i], s.sampler_logprobs[i], s.advantage, sid))
+        got = list(zip(row.token_index.tolist(), row.targets.tolist(), row.sampler_logprobs.tolist(),
+                       row.advantages.tolist(), row.sample_id.tolist()))
+        assert len(got) == len(expect) == row.num_loss_terms
+        for g, e in zip(got, expect):
+            assert g[0] == e[0] and g[1] == e[1] and g[4] == e[4]
+            assert g[2] == pytest.approx(e[2], abs=1e-6) and g[3] == pytest.approx(e[3], abs=1e-6)
+        assert (row.shift_labels[row.token_index] == row.targets).all()
+        labelled = set(row.token_index.tolist())
+        assert all((row.shift_labels[i] == -100) == (i not in labelled) for i in range(row.num_tokens))
+
+
+def test_spec_example_layout():
+    """The spec's two-rollout example: p3 is stored twice since it predicts a1 in one rollout, b1 in the other."""
+    p1, p2, p3, a1, a2, b1, b2 = 11, 12, 13, 21, 22, 31, 32
+    mk = lambda ids: TrainingSample(ids, [0, 0, 0, 1, 1], [0.0] * 5, 1.0, 0, 0)  # noqa: E731
+    row = pack_samples([mk([p1, p2, p3, a1, a2]), mk([p1, p2, p3, b1, b2])])
+    assert row.input_ids.tolist() == [p1, p2, p3, a1, a2, p3, b1, b2]
+    assert row.position_ids.tolist() == [0, 1, 2, 3, 4, 2, 3, 4]
+    assert row.cu_seqlens_q.tolist() == [0, 2, 5, 8]
+    assert row.kv_index.tolist() == [0, 1, 0, 1, 2, 3, 4, 0, 1, 5, 6, 7]
+    assert row.token_index.tolist() == [2, 3, 5, 6]
+    assert row.num_raw_tokens == 10 and row.num_tokens == 8
+
+
+def test_nothing_shared_is_plain_packing():
+    rng = random.Random(4)
+    samples = random_row_samples(rng, "shared_prompt")
+    row = pack_samples(samples, share_prefixes=False)
+    assert row.input_ids.tolist() == [t for s in samples for t in s.input_ids]
+    assert row.position_ids.tolist() == [i for s in samples for i in range(len(s))]
+    assert row.cu_seqlens_q.tolist() == row.cu_seqlens_k.tolist() == np.cumsum([0] + [len(s) for s in samples]).tolist()
+    assert row.kv_index.tolist() == list(range(row.num_tokens))
+    assert (row.seg_parent == -1).all() and row.packing_ratio == 1.0
+    shared = pack_samples(samples)
+    assert shared.num_loss_terms == row.num_loss_terms and torch.equal(shared.targets, row.targets)
+
+
+def test_duplicate_and_prefix_samples():
+    mk = lambda ids: TrainingSample(ids, [0] + [1] * (len(ids) - 1), [0.0] * len(ids), 0.5, 0, 0)  # noqa: E731
+    row = pack_samples([mk([5, 6, 7]), mk([5, 6, 7]), mk([5, 6])])
+    # duplicates share every node; [5, 6] forks at 5 (5 predicts 6 in both, but 6 predicts 7 vs end)
+    assert row.input_ids.tolist() == [5, 6, 7, 6]
+    assert row.num_loss_terms == 2 + 2 + 1
+
+
+def test_top_logprobs_and_sampling_mask_padding():
+    k = 3
+    a = TrainingSample([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2], 1.0, 0, 0,
+                       sampler_top_ids=np.array([[-1] * k, [2, 4, 5], [3, 6, -1]]),
+                       sampler_top_logprobs=np.array([[-np.inf] * k, [-0.1, -2, -3], [-0.2, -1.5, -np.inf]],
+                                                     dtype=np.float32),
+                       sampling_mask=[None, [2, 4], [3, 6, 7]])
+    b = TrainingSample([1, 9], [0, 1], [0.0, -0.3], 1.0, 0, 0)
+    row = pack_samples([a, b])
+    assert row.sampler_top_ids.tolist() == [[2, 4, 5], [3, 6, -1], [-1, -1, -1]]
+    assert row.sampler_top_logprobs[2].isinf().all()
+    assert row.sampling_mask.tolist() == [[2, 4, -1], [3, 6, 7], [-1, -1, -1]]  # all -1 = full vocabulary
+    plain = pack_samples([b])
+    assert plain.sampler_top_ids is None and plain.sampling_mask is None
+
+
+def test_to_keeps_sample_paths():
+    row = pack_samples(random_row_samples(random.Random(5), "multi_turn"))
+    moved = row.to("cpu")
+    assert [p.tolist() for p in moved.sample_paths()] == [p.tolist() for p in row.sample_paths()]
+    with pytest.raises(ValueError, match="at least one"):
+        pack_samples([])
