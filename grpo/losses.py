@@ -227,6 +227,10 @@ def score_centering(inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[s
     masked sampled token loses its own term, but the centering term of its position stays, because it is an
     expectation over every y ~ q and does not depend on which y was drawn (vime does the same). Only the gradient
     is meaningful; the value is not a surrogate objective.
+
+    Reading the estimator: with every ratio of a position inside the band, q_a w(p_a / q_a) = p_a and alpha_t = 1,
+    so the residuals vanish (the IS-weighted score already averages to zero). The centering term is the
+    correction for the mass the band removes, estimated on the top-k ids and the tail model.
     """
     if inputs.policy_top_logprobs is None:
         raise ValueError("score_centering needs policy_top_logprobs and sampler_top_logprobs (num_sampler_logprobs "
