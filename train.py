@@ -1,16 +1,339 @@
 """Trainer entry point: `torchrun --nproc-per-node 4 train.py --model Qwen/Qwen3.5-2B` (or plain `python`).
 
-Recipe: parse the config -> load model and tokenizer -> spawn the rollout worker (rank 0) -> loop: pull samples,
-pack them as prefix tries, forward/backward with tree attention, step, sync weights every `weight_sync_steps`.
+Recipe: parse the config -> load model and tokenizer -> cold weight sync -> spawn the rollout worker (rank 0) ->
+loop: pull samples, pack them as prefix tries (one row per rank), forward/backward with tree attention, step,
+push weights to vLLM every `weight_sync_steps`, log, checkpoint.
+
+Python API: `train.main(config, reward_funcs=[fn], train_dataset=ds, tools=[...], environment_factory=Env,
+loop_cls=MyLoop)`; every argument left None is taken from the config (registry names or `pkg.module:name`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
 from grpo.config import AsyncGRPOConfig
 
+log = logging.getLogger("train")
 
-def main(config: AsyncGRPOConfig, **kwargs) -> None:
-    raise NotImplementedError("the training loop lands with issue 5")
+
+@dataclass
+class StepPlan:
+    """What rank 0 decided for one micro-batch, broadcast to every rank."""
+
+    rows: list  # one list[TrainingSample] per rank
+    trained_tokens: int  # loss terms over all rows (the normaliser N_glob)
+    stats: dict = field(default_factory=dict)  # batch/* metrics of this micro-batch
+
+
+# ------------------------------------------------------------------------------------------ building the pieces
+
+def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls):
+    """CLI names / import paths -> objects, for everything the Python caller did not pass."""
+    from grpo.queue import resolve_import
+
+    if reward_funcs is None:
+        from grpo.rewards import resolve_reward
+
+        reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
+    elif callable(reward_funcs):
+        reward_funcs = [reward_funcs]
+    if tools is None:
+        tools = [resolve_import(path) for path in config.tools]
+    if environment_factory is None and config.environment_factory:
+        environment_factory = resolve_import(config.environment_factory)
+    if loop_cls is None and config.loop_cls:
+        loop_cls = resolve_import(config.loop_cls)
+    if train_dataset is None and not (environment_factory and config.max_steps > 0 and not config.dataset):
+        from grpo.data import load_prompts
+
+        train_dataset = load_prompts(config.dataset, config.dataset_split)
+    if train_dataset is None and config.max_steps <= 0:
+        raise ValueError("without a dataset the environment owns the data: set --max-steps to bound the run")
+    return list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls
+
+
+def build_optimizer(params, config: AsyncGRPOConfig):
+    import torch
+
+    fused = torch.cuda.is_available()
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  eps=config.adam_epsilon, weight_decay=config.weight_decay, fused=fused)
+    if config.lr_scheduler_type != "constant" and config.max_steps <= 0:
+        raise ValueError(f"lr_scheduler_type={config.lr_scheduler_type!r} decays over max_steps, which is unknown "
+                         "when training by epochs: set --max-steps too")
+
+    def factor(step: int) -> float:
+        if config.warmup_steps and step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.lr_scheduler_type == "constant":
+            return 1.0
+        progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+        return 1.0 - progress if config.lr_scheduler_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def server_facts(config: AsyncGRPOConfig) -> dict:
+    """Rank 0 reads what the run needs from the server once (max_model_len, dtype) and warns on mismatches."""
+    from grpo.vllm_client import VLLMControl
+
+    control = VLLMControl(config.vllm_server_base_url, timeout=config.vllm_server_timeout)
+    control.wait_ready()
+    info = control.server_info()
+    model_cfg = info.get("vllm_config", {}).get("model_config", {})
+    dtype = str(model_cfg.get("dtype", "")).replace("torch.", "")
+    if dtype and config.dtype != "auto" and dtype != config.dtype:
+        log.warning("server dtype %s != trainer dtype %s: the train/inference mismatch will show as importance "
+                    "ratios away from 1 (restart vllm serve with --dtype %s)", dtype, config.dtype, config.dtype)
+    if config.uses_truncated_sampling and not model_cfg.get("return_sampling_mask"):
+        log.warning("top_k/top_p/min_p sampling without --return-sampling-mask: trainer log-probs stay normalised "
+                    "over the full vocabulary, so importance ratios are biased by the kept mass")
+    facts = {"max_model_len": control.max_model_len(), "dtype": dtype}
+    control.close()
+    return facts
+
+
+# ------------------------------------------------------------------------------------------ one micro-batch
+
+def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | None:
+    """Rank 0: pull samples into the batcher until it closes a micro-batch. None when the epochs are consumed."""
+    while True:
+        if stop_groups is not None and worker.consumed_groups >= stop_groups:
+            rows = batcher.flush()
+            if rows is None:
+                return None
+            break
+        sample = worker.get(timeout=1.0)
+        if sample is None:
+            continue
+        rows = batcher.add(sample)
+        if rows is not None:
+            break
+    stats = batcher.last_stats.as_metrics()
+    stats["batch/dropped_oversize_count"] = batcher.dropped_oversize_count
+    batcher.dropped_oversize_count = 0
+    return StepPlan(rows, sum(s.num_trained for row in rows for s in row), stats)
+
+
+def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_cfg, world: int, grad_accum: int,
+                      autocast) -> dict:
+    """Pack this rank's samples, forward/backward, return the loss metrics. The normaliser is global (6.4)."""
+    import torch
+
+    from grpo.losses import LossInputs, normalized_loss
+    from grpo.trie import pack_samples
+
+    device = next(policy.parameters()).device
+    row = pack_samples(samples).to(device)
+    t0 = time.perf_counter()
+    with autocast():
+        out = policy(row)
+    t_fwd = _sync_time(t0, device)
+    metrics: dict = {}
+    if row.num_loss_terms == 0:  # a zero-weight dummy row: forward/backward anyway to keep FSDP collectives aligned
+        loss = out.policy_logprobs.sum() * 0.0
+    else:
+        inputs = LossInputs(out.policy_logprobs.float(), row.sampler_logprobs, row.advantages, row.sample_id,
+                            None if out.policy_top_logprobs is None else out.policy_top_logprobs.float(),
+                            row.sampler_top_logprobs)
+        per_token, metrics = loss_fn(inputs, loss_cfg)
+        loss = normalized_loss(per_token, plan.trained_tokens, world, grad_accum)
+        metrics = {k: float(v) for k, v in metrics.items()} | {"entropy": float(out.entropy.mean())}
+    if out.aux_loss is not None:
+        loss = loss + out.aux_loss / grad_accum
+        metrics["aux_loss"] = float(out.aux_loss)
+    loss.backward()
+    metrics |= {"loss": float(loss) * grad_accum, "perf/fwd_s": t_fwd,
+                "perf/fwd_bwd_s": _sync_time(t0, device), "_forwarded": row.num_tokens,
+                "_attn_len": row.num_tokens / max(row.num_samples, 1)}
+    return metrics
+
+
+def _sync_time(t0: float, device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=None, environment_factory=None,
+         loop_cls=None) -> dict:
+    import contextlib
+
+    import torch
+
+    from grpo import checkpoint as ckpt
+    from grpo.batcher import TokenBudgetBatcher
+    from grpo.distributed import barrier, broadcast_object, init_distributed, shard_model
+    from grpo.flops import device_peak_flops
+    from grpo.gdn import patch_gdn_layers
+    from grpo.losses import LossConfig, get_loss
+    from grpo.metrics import MetricsLogger
+    from grpo.model import aux_loss_coef, load_policy, load_tokenizer, trainable_parameters
+    from grpo.policy import PackedPolicy
+    from grpo.queue import RolloutWorker
+    from grpo.repro import write_repro_bundle
+    from grpo.tree_attention import select_backend
+    from grpo.weight_sync import WeightSync, WeightSyncConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    info = init_distributed(config.vllm_server_timeout)
+    torch.manual_seed(config.seed)
+    reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
+        config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
+    facts = broadcast_object(server_facts(config) if info.is_main else None, info)
+    budget = config.token_budget or facts["max_model_len"]
+
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    model = load_policy(config.model, config.dtype, config.trust_remote_code, config.gradient_checkpointing,
+                        config.router_aux_loss_coef).to(info.device)
+    patch_gdn_layers(model)
+    bf16 = config.bf16 if config.bf16 is not None else info.device.type == "cuda"
+    policy = PackedPolicy(model, select_backend(config.attn_backend, info.device), config.temperature,
+                          aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
+    policy = shard_model(policy, info, mixed_precision=bf16 and config.dtype == "float32")
+    optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
+    autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16
+                else contextlib.nullcontext)
+    loss_fn, loss_cfg = get_loss(config.loss_name), LossConfig.from_run_config(config)
+
+    resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
+    state = {"prompt_index": 0, "model_version": 0, "step": 0}
+    if resume_path is not None:
+        state = ckpt.load_checkpoint(resume_path, model, optimizer, scheduler)
+        if info.is_main:
+            log.info("resumed from %s at step %d, prompt %d", resume_path, state["step"], state["prompt_index"])
+
+    mode = config.weight_transfer if config.weight_transfer != "auto" else (
+        "nccl" if info.device.type == "cuda" else "cpu_file")
+    sync = WeightSync(config.vllm_server_base_url, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout))
+    sync.init(model)
+    version = state["model_version"] + 1
+    sync.sync(model, version)  # cold sync: the first rollouts already come from this policy
+
+    worker = stop_groups = None
+    logger = MetricsLogger(config.output_dir, enabled=info.is_main)
+    if info.is_main:
+        write_repro_bundle(config.output_dir, config, info.world_size)
+        worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
+                               loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
+                               token_allowance=max(config.max_staleness, 1) * budget * info.world_size
+                               * config.gradient_accumulation_steps)
+        worker.start()
+        if config.max_steps <= 0:
+            stop_groups = config.epoch_prompts(len(dataset)) - state["prompt_index"]
+    batcher = TokenBudgetBatcher(budget, info.world_size)
+
+    def save(at_step: int) -> int:
+        rollout_state = worker.state_dict() if info.is_main else {}
+        ckpt.save_checkpoint(config.output_dir, at_step, model, tokenizer, optimizer, scheduler, rollout_state,
+                             config.save_total_limit)
+        return at_step
+
+    saved_step = state["step"]
+    peak = device_peak_flops(info.device)
+    step, num_tokens, window = state["step"], 0, []
+    try:
+        while config.max_steps <= 0 or step < config.max_steps:
+            t_step = time.perf_counter()
+            plans = [broadcast_object(plan_micro_batch(worker, batcher, stop_groups) if info.is_main else None, info)
+                     for _ in range(config.gradient_accumulation_steps)]
+            if any(p is None for p in plans):
+                break
+            micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, loss_cfg, info.world_size,
+                                       config.gradient_accumulation_steps, autocast) for p in plans]
+            t_opt = time.perf_counter()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(policy), config.max_grad_norm or 1e30)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            optimizer_s = time.perf_counter() - t_opt
+            step += 1
+            sync_metrics = {}
+            if step % config.weight_sync_steps == 0:
+                version += 1
+                sync_metrics = sync.sync(model, version)
+            samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
+            if info.is_main:
+                worker.set_token_allowance(max(config.max_staleness, 1) * sum(len(s) for s in samples))
+                worker.set_model_version(version)
+            step_metrics = step_summary(plans, samples, micro, info, time.perf_counter() - t_step, optimizer_s,
+                                        sync_metrics, model.config, peak)
+            num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
+            step_metrics |= {"num_tokens": num_tokens, "grad_norm": float(grad_norm),
+                             "learning_rate": scheduler.get_last_lr()[0]}
+            window.append(step_metrics)
+            if step % config.logging_steps == 0:
+                log_window(logger, step, window, worker)
+                window = []
+            if config.save_strategy == "steps" and step % config.save_steps == 0:
+                saved_step = save(step)
+    finally:
+        if worker is not None:
+            worker.stop()
+        logger.close()
+    if step > saved_step:  # the final model is always saved, also with save_strategy="no"
+        saved_step = save(step)
+    barrier(info)
+    sync.close()
+    return {"step": step, "model_version": version, "output_dir": config.output_dir}
+
+
+def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics, model_config, peak) -> dict:
+    """Per-step metrics with the spec's names (batch/*, sample/*, perf/*), summed over ranks where they are counts."""
+    import numpy as np
+
+    from grpo.distributed import all_reduce_sum
+    from grpo.flops import mfu
+
+    forwarded = all_reduce_sum(sum(m["_forwarded"] for m in micro), info)
+    trained = sum(p.trained_tokens for p in plans)
+    fwd_bwd_s = sum(m["perf/fwd_bwd_s"] for m in micro)
+    attn_len = float(np.mean([m["_attn_len"] for m in micro]))
+    out = {"batch/forwarded_tokens_per_step": forwarded, "batch/trained_tokens_per_step": trained,
+           "batch/samples_per_step": len(samples), "batch/groups_per_step": len({s.group_id for s in samples}),
+           "batch/microbatches_per_step": len(plans), "batch/masked_token_frac": 1 - trained / max(forwarded, 1),
+           "batch/pad_frac": 0.0,
+           "sample/forwarded_tokens_mean": float(np.mean([len(s) for s in samples])) if samples else math.nan,
+           "sample/forwarded_tokens_max": max((len(s) for s in samples), default=math.nan),
+           "sample/trained_tokens_mean": float(np.mean([s.num_trained for s in samples])) if samples else math.nan,
+           "reward_kept": float(np.nanmean([s.reward for s in samples])) if samples else math.nan,
+           "perf/step_s": step_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/fwd_s": sum(m["perf/fwd_s"] for m in micro),
+           "perf/optimizer_s": optimizer_s,
+           "perf/fwd_bwd_forwarded_tokens_per_s": forwarded / max(fwd_bwd_s, 1e-9),
+           "perf/wall_clock_forwarded_tokens_per_s": forwarded / step_s,
+           "perf/wall_clock_trained_tokens_per_s": trained / step_s} | sync_metrics
+    for name, value in (("perf/fwd_bwd_mfu", fwd_bwd_s), ("perf/wall_clock_mfu", step_s)):
+        m = mfu(model_config, forwarded, attn_len, value, peak, info.world_size)
+        if m is not None:
+            out[name] = m
+    for p in plans:
+        out |= {k: v for k, v in p.stats.items() if not k.endswith("_count")}
+    out["batch/dropped_oversize_count"] = sum(p.stats.get("batch/dropped_oversize_count", 0) for p in plans)
+    losses = [{k: v for k, v in m.items() if not k.startswith("_") and not k.startswith("perf/")} for m in micro]
+    for key in {k for m in losses for k in m}:
+        values = [m[key] for m in losses if key in m]
+        out[key] = max(values) if "max" in key.rsplit("/", 1)[-1] else (
+            min(values) if "min" in key.rsplit("/", 1)[-1] else float(np.mean(values)))
+    return out
+
+
+def log_window(logger, step: int, window: list[dict], worker) -> None:
+    from grpo.metrics import MetricsWindow
+
+    agg = MetricsWindow()
+    for metrics in window:
+        agg.extend(metrics.items())
+    if worker is not None:
+        agg.extend(worker.drain_metrics())
+    logger.log(step, agg.reduce())
 
 
 if __name__ == "__main__":

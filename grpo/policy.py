@@ -25,8 +25,10 @@ class PolicyOutput:
 
 
 class PackedPolicy(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, backend: str, temperature: float, logprob_chunk: int = 4096):
+    def __init__(self, model: torch.nn.Module, backend: str, temperature: float, logprob_chunk: int = 4096,
+                 aux_coef: float = 0.0):
         super().__init__()
+        self.aux_coef = aux_coef
         self.model = model
         self.backend = backend
         self.temperature = temperature
