@@ -155,18 +155,25 @@ def test_select_backend_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flash_varlen", "flex"])
 def test_gpu_backends_match_unpacked_bf16(tiny_qwen3, backend):
-    """bf16 on CUDA: each GPU backend against per-sample unpacked forwards of an eager bf16 model."""
+    """bf16 on CUDA: each GPU backend against per-sample unpacked forwards of an eager bf16 model, values and
+    the direction of the parameter gradient of sum(logprob x advantage)."""
     ref_model = _load(tiny_qwen3, torch.bfloat16, "cuda")
     tree_model = _load(tiny_qwen3, torch.bfloat16, "cuda")
     rng = random.Random(11)
     for kind in ("shared_prompt", "multi_turn", "nothing_shared"):
         samples = random_row_samples(rng, kind)
         row = pack_samples(samples).to("cuda")
-        with torch.no_grad():
-            ref = torch.cat([r.cuda() for r in _ref_on(ref_model, samples)])
-            tree = packed_logprobs(tree_model, row, backend)
+        ref_model.zero_grad(set_to_none=True)
+        tree_model.zero_grad(set_to_none=True)
+        ref = _ref_on(ref_model, samples)
+        sum(r.sum() * s.advantage for r, s in zip(ref, samples)).backward()
+        tree = packed_logprobs(tree_model, row, backend)
+        (tree @ row.advantages).backward()
         order = torch.argsort(row.sample_id, stable=True)
-        torch.testing.assert_close(tree[order], ref, atol=5e-2, rtol=0)
+        torch.testing.assert_close(tree[order].detach(), torch.cat(ref).detach(), atol=5e-2, rtol=0)
+        g_ref = torch.cat([p.grad.flatten().float() for p in ref_model.parameters()])
+        g_tree = torch.cat([p.grad.flatten().float() for p in tree_model.parameters()])
+        assert torch.nn.functional.cosine_similarity(g_ref, g_tree, dim=0) > 0.99, kind
 
 
 def _ref_on(model, samples):
