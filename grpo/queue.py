@@ -33,13 +33,14 @@ class ConcurrencyCap:
     def __init__(self, max_concurrent: int):
         self.max_concurrent = max_concurrent
         self.limit = max_concurrent  # no /metrics: the user's limit
+        self.initial_limit = max_concurrent
         self.inflight = 0
         self.finished_since_increase = 0
         self._changed = None
 
     def start_from(self, kv_max_concurrency: float) -> None:
         """Start at the number of full-length requests the KV cache holds, clamped to [1, max_concurrent]."""
-        self.limit = min(max(int(kv_max_concurrency), 1), self.max_concurrent)
+        self.limit = self.initial_limit = min(max(int(kv_max_concurrency), 1), self.max_concurrent)
         self.finished_since_increase = 0
 
     def update(self, kv_usage: float, waiting: int) -> None:
@@ -302,8 +303,6 @@ class RolloutWorker:
     # ---- trainer side ------------------------------------------------------------------------------------------
     def get(self, timeout: float | None = None):
         """Next sample no staler than max_staleness, or None after `timeout` seconds. Raises if the worker died."""
-        from grpo.rollout_loop import ConsumedGroup
-
         start = time.perf_counter()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -316,22 +315,29 @@ class RolloutWorker:
                     self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))
                     return None
                 continue
-            if isinstance(item, ConsumedGroup):
-                self._consume(item.group_id)
-                continue
-            with self.shared["queued_tokens"].get_lock():
-                self.shared["queued_tokens"].value -= len(item)
-            staleness = self.model_version - item.model_version
-            if staleness > self.config.max_staleness:
-                self._trainer_metrics.append(("sample/dropped_stale_count", 1))
-                continue
+            sample = self._accept(item)
+            if sample is not None:
+                self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))
+                return sample
+
+    def _accept(self, item):
+        """Book one queue item; return it if it is a sample fresh enough to train on, else None."""
+        from grpo.rollout_loop import ConsumedGroup
+
+        if isinstance(item, ConsumedGroup):
             self._consume(item.group_id)
-            self._trainer_metrics += [
-                ("perf/rollout_wait_s", time.perf_counter() - start),
-                ("sample/time_in_queue_s", time.monotonic() - item.queued_at),
-                ("sample/staleness_mean", staleness), ("sample/staleness_max", staleness),
-                ("rollout/queue_size", self._qsize())]
-            return item
+            return None
+        with self.shared["queued_tokens"].get_lock():
+            self.shared["queued_tokens"].value -= len(item)
+        staleness = self.model_version - item.model_version
+        if staleness > self.config.max_staleness:
+            self._trainer_metrics.append(("sample/dropped_stale_count", 1))
+            return None
+        self._consume(item.group_id)
+        self._trainer_metrics += [("sample/time_in_queue_s", time.monotonic() - item.queued_at),
+                                  ("sample/staleness_mean", staleness), ("sample/staleness_max", staleness),
+                                  ("rollout/queue_size", self._qsize())]
+        return item
 
     def _qsize(self) -> float:
         try:

@@ -231,3 +231,254 @@ def test_epoch_rejecting_every_prompt_raises(vllm_server, tiny_qwen3, tokenizer)
     loop = make_loop(RejectAll, make_config(vllm_server, tiny_qwen3), [{"prompt": PROMPT}] * 3, [], tokenizer)
     with pytest.raises(BaseException, match="rejected every prompt of epoch 0"):
         asyncio.run(loop.run())
+
+
+# ---- tools and environments (scripted turns through the real chat template) -------------------------------
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+def call_text(name, **args):
+    import json
+
+    return f'\n<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+
+
+class ScriptedLoop(AsyncRolloutLoop):
+    """generate_one_turn replaced by a script keyed on how many tool responses the prompt already holds."""
+
+    script: tuple[str, ...] = ()
+
+    async def generate_one_turn(self, prompt_ids):
+        done = self.tokenizer.decode(prompt_ids).count("<tool_response>")
+        text = self.script[min(done // max(self.calls_per_turn, 1), len(self.script) - 1)]
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return TurnRecord(list(prompt_ids), ids, [-1.0] * len(ids), finish_reason="stop")
+
+    calls_per_turn = 1
+
+
+class ToolScript(ScriptedLoop):
+    script = (call_text("multiply", a=3, b=4) + call_text("async_add", a=1, b=2) + call_text("nope", x=1),
+              "The answer is 12.")
+    calls_per_turn = 3
+
+
+def run_scripted(loop, max_groups):
+    metrics = queue.Queue()
+    loop.metrics_queue = metrics
+    groups = collect(loop, max_groups)
+    w = MetricsWindow()
+    while not metrics.empty():
+        w.extend(metrics.get())
+    return groups, w.reduce()
+
+
+@pytest.mark.vllm
+def test_tool_loop_runs_sync_and_async_tools(vllm_server, tiny_qwen3, tokenizer):
+    config = make_config(vllm_server, tiny_qwen3, num_generations=2)
+    loop = make_loop(ToolScript, config, [{"prompt": PROMPT}], [parity_reward], tokenizer, tools=[multiply, async_add])
+    groups, out = run_scripted(loop, 1)
+    (group, _), = groups
+    rollout = group.rollouts[0]
+    assert len(rollout.turns) == 2 and rollout.tool_call_count == 3 and rollout.tool_failure_count == 1
+    tool_msgs = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert tool_msgs[:2] == ["12", "3"] and "unknown tool 'nope'" in tool_msgs[2]
+    assert rollout.completion[-1] == {"role": "assistant", "content": "The answer is 12."}
+    # the tool schema reached the template, and the second prompt holds the tool results
+    assert '"name": "multiply"' in tokenizer.decode(rollout.turns[0].prompt_ids)
+    assert "<tool_response>\n12\n</tool_response>" in tokenizer.decode(rollout.turns[1].prompt_ids)
+    trained = sum(s.num_trained for s in group.completions_sequences[0])
+    assert trained == sum(len(t.output_ids) for t in rollout.turns)  # every generated token trained once
+    assert out["tools/unknown_name_count"] == 2 and out["tools/multiply/call_count"] == 2
+    assert out["tools/failure_frequency"] == pytest.approx(2 / 6) and out["tools/call_frequency"] == 3
+    assert out["tools/parallel_calls_mean"] == 3 and out["tools/loop_exhausted_frac"] == 0.0
+
+
+class AlwaysCalls(ScriptedLoop):
+    script = (call_text("multiply", a=2, b=2),)
+
+
+@pytest.mark.vllm
+def test_max_tool_calling_iterations_stops_the_loop(vllm_server, tiny_qwen3, tokenizer):
+    config = make_config(vllm_server, tiny_qwen3, num_generations=2, max_tool_calling_iterations=2)
+    loop = make_loop(AlwaysCalls, config, [{"prompt": PROMPT}], [parity_reward], tokenizer, tools=[multiply])
+    groups, out = run_scripted(loop, 1)
+    rollout = groups[0][0].rollouts[0]
+    assert len(rollout.turns) == 3 and rollout.tool_call_count == 2
+    assert out["tools/loop_exhausted_frac"] == 1.0
+
+
+class IncrementEnv:
+    """The spec's dataset-driven environment."""
+
+    instances = 0
+
+    def __init__(self):
+        IncrementEnv.instances += 1
+
+    def reset(self, target, **kwargs) -> None:
+        self.counter = 0
+        self.target = target
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        self.counter += step
+        return self.counter
+
+
+class SelfSampledEnv:
+    def reset(self, **kwargs) -> str:
+        self.done = False
+        return "Increment the counter by 2."
+
+    async def get_reward(self) -> float:
+        return 0.5
+
+    def increment(self, step: int) -> int:
+        """
+        Increment.
+
+        Args:
+            step: Value to add.
+        """
+        return step
+
+
+class IncrementByTwo(ScriptedLoop):
+    script = (call_text("increment", step=2), "done")
+
+
+@pytest.mark.vllm
+def test_environments_reset_expose_tools_and_reward(vllm_server, tiny_qwen3, tokenizer):
+    config = make_config(vllm_server, tiny_qwen3, num_generations=2, max_concurrent_rollouts=2)
+    dataset = [{"prompt": PROMPT, "target": 2, "environment": "inc"}, {"prompt": PROMPT, "target": 3,
+                                                                       "environment": "inc"},
+               {"environment": "self"}]
+    factory = {"inc": IncrementEnv, "self": SelfSampledEnv}
+    loop = make_loop(IncrementByTwo, config, dataset, [], tokenizer, environment_factory=factory)
+    groups, out = run_scripted(loop, 3)
+    by_row = {g.row_index: g for g, _ in groups}
+    np.testing.assert_array_equal(by_row[0].rewards, [1.0, 1.0])
+    np.testing.assert_array_equal(by_row[1].rewards, [0.0, 0.0])
+    np.testing.assert_array_equal(by_row[2].rewards, [0.5, 0.5])
+    assert by_row[2].prompts[0] == [{"role": "user", "content": "Increment the counter by 2."}]
+    assert by_row[0].env_rewards[0][0] is IncrementEnv
+    assert IncrementEnv.instances <= 2  # instances are reused across groups, not rebuilt per rollout
+    assert out["env/reset_s"] >= 0 and out["env/reward_s"] >= 0
+    assert '"name": "increment"' in tokenizer.decode(by_row[0].rollouts[0].turns[0].prompt_ids)
+    assert "reset" not in tokenizer.decode(by_row[0].rollouts[0].turns[0].prompt_ids)
+
+
+# ---- flow control --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_backpressure_keeps_queued_and_inflight_tokens_within_the_allowance(vllm_server, tiny_qwen3, tokenizer):
+    config = make_config(vllm_server, tiny_qwen3, num_generations=4, max_completion_length=16)
+    prompt_len = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)["input_ids"])
+    group_tokens_max = 4 * (prompt_len + 16)  # every sample is prompt + at most 16 generated tokens
+    allowance_tokens = 2.5 * group_tokens_max
+    queued, allowance = multiprocessing.Value("q", 0), multiprocessing.Value("d", allowance_tokens)
+    buffer, metrics = queue.Queue(), queue.Queue()
+    loop = make_loop(AsyncRolloutLoop, config, [{"prompt": PROMPT}] * 8, [length_reward], tokenizer,
+                     rollout_buffer=buffer, metrics_queue=metrics, token_allowance=allowance,
+                     queued_tokens_value=queued)
+    peak, done = [0.0], threading.Event()
+
+    def observe():
+        while not done.is_set():
+            # actual queued tokens + an upper bound on the tokens of groups still generating or scoring
+            peak[0] = max(peak[0], queued.value + loop.allowance.inflight_groups * group_tokens_max)
+            time.sleep(0.005)
+
+    def slow_trainer():
+        while not done.is_set():
+            try:
+                item = buffer.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not isinstance(item, ConsumedGroup):
+                time.sleep(0.1)
+                with queued.get_lock():
+                    queued.value -= len(item)
+
+    threads = [threading.Thread(target=observe), threading.Thread(target=slow_trainer)]
+    for t in threads:
+        t.start()
+    try:
+        asyncio.run(loop.run(max_groups=8))
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    w = MetricsWindow()
+    while not metrics.empty():
+        w.extend(metrics.get())
+    out = w.reduce()
+    assert 0 < peak[0] <= allowance_tokens
+    assert out["rollout/backpressure_s"] > 0
+
+
+class FastPoll(AsyncRolloutLoop):
+    metrics_poll_s = 0.5
+
+
+@pytest.fixture(scope="module")
+def small_kv_server(tiny_qwen3, tmp_path_factory):
+    """16 KV blocks of 128 tokens: 4 full-length (512) requests fill the cache (cpu_vllm.md section 4)."""
+    from conftest import start_server
+
+    server = start_server(tiny_qwen3, tmp_path_factory.mktemp("vllm_small_kv"), kv_cache_bytes=2097152)
+    yield server
+    server.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server, tiny_qwen3, tokenizer):
+    config = make_config(small_kv_server, tiny_qwen3, num_generations=4, max_completion_length=460,
+                         max_concurrent_rollouts=16)
+    metrics = queue.Queue()
+    loop = make_loop(FastPoll, config, [{"prompt": PROMPT}] * 8, [length_reward], tokenizer, metrics_queue=metrics)
+    asyncio.run(loop.run(max_groups=6))
+    caps, usage = [], []
+    while not metrics.empty():
+        for name, value in metrics.get():
+            if name == "rollout/concurrency_cap":
+                caps.append(value)
+            elif name == "rollout/vllm_kv_cache_usage_frac":
+                usage.append(value)
+    assert loop.cap.initial_limit == 4  # kv_cache_max_concurrency = 2048 KV tokens / max_model_len 512
+    low = caps.index(min(caps))
+    assert min(caps) < 4 and max(usage) > 0.8, (caps, usage)
+    assert max(caps[low:]) > min(caps), (caps, usage)  # grew back once the cache had room

@@ -1,0 +1,176 @@
+"""The rollout worker process and its queue: picklability at start, the staleness drop rule, failure surfacing
+(traceback, killed process, missing heartbeat), and samples streaming from a real vLLM server."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+
+import pytest
+
+from grpo.config import AsyncGRPOConfig
+from grpo.metrics import MetricsWindow
+from grpo.queue import RolloutWorker, check_picklable
+from grpo.rollout_loop import AsyncRolloutLoop, ConsumedGroup
+from grpo.samples import TrainingSample
+
+PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(ids) % 3) for ids in completion_ids]
+
+
+def scaled_reward(completion_ids, scale, **kwargs):
+    return [scale * len(ids) for ids in completion_ids]
+
+
+class CallableReward:
+    def __call__(self, completion_ids, **kwargs):
+        return [0.0] * len(completion_ids)
+
+
+def make_closure():
+    offset = 1.0
+
+    def closure_reward(completion_ids, **kwargs):
+        return [offset] * len(completion_ids)
+
+    return closure_reward
+
+
+def config_for(model_dir, base_url="http://127.0.0.1:9", **kw) -> AsyncGRPOConfig:
+    base = dict(model=str(model_dir), vllm_server_base_url=base_url, num_generations=4, max_completion_length=12,
+                max_concurrent_rollouts=8)
+    return AsyncGRPOConfig(**(base | kw))
+
+
+# ---- picklability -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [lambda completion_ids, **kw: [0.0] * len(completion_ids), make_closure()])
+def test_lambda_or_closure_reward_fails_at_start_naming_the_fix(bad, tiny_qwen3):
+    worker = RolloutWorker(config_for(tiny_qwen3), [{"prompt": PROMPT}], [bad])
+    with pytest.raises(TypeError, match="module level.*functools.partial.*callable class"):
+        worker.start()
+    assert worker.process is None  # nothing was spawned
+
+
+def test_module_functions_partials_and_callable_instances_pickle():
+    check_picklable([length_reward, functools.partial(scaled_reward, scale=2.0), CallableReward()],
+                    tools=[length_reward], environment_factory={"a": CallableReward}, loop_cls=AsyncRolloutLoop)
+    with pytest.raises(TypeError, match="tool"):
+        check_picklable(tools=[lambda x: x])
+
+
+# ---- the drop rule (no process needed: _accept books one queue item) ------------------------------------------
+
+
+def sample(version, group_id, n=5):
+    return TrainingSample(input_ids=list(range(n)), completion_mask=[0, 1, 1, 1, 1], sampler_logprobs=[0.0] * n,
+                          advantage=1.0, group_id=group_id, model_version=version, queued_at=time.monotonic())
+
+
+def test_queue_drops_exactly_the_over_stale_samples(tiny_qwen3):
+    worker = RolloutWorker(config_for(tiny_qwen3, max_staleness=4), [{"prompt": PROMPT}] * 10, [length_reward])
+    worker.set_model_version(6)
+    worker.shared["queued_tokens"].value = 7 * 5
+    items = [sample(v, group_id=v) for v in range(7)]
+    accepted = [s for s in map(worker._accept, items) if s is not None]
+    assert [s.model_version for s in accepted] == [2, 3, 4, 5, 6]  # staleness 6 - v <= 4
+    assert worker.shared["queued_tokens"].value == 0  # dropped samples leave the token count too
+    w = MetricsWindow()
+    w.extend(worker.drain_metrics())
+    out = w.reduce()
+    assert out["sample/dropped_stale_count"] == 2
+    assert out["sample/staleness_max"] == 4 and out["sample/staleness_mean"] == 2.0
+    # consumption: groups 0, 1 were stale (not consumed) so the resume low-water mark stays at 0
+    assert worker.consumed_groups == 5 and worker.state_dict() == {"prompt_index": 0, "model_version": 6}
+    worker._accept(ConsumedGroup(0, "dropped"))
+    worker._accept(ConsumedGroup(1, "filtered"))
+    assert worker.state_dict()["prompt_index"] == 7
+
+
+# ---- failure surfacing -------------------------------------------------------------------------------------------
+
+
+class FailingSetup(AsyncRolloutLoop):
+    async def setup(self):
+        raise ValueError("boom from setup")
+
+
+class IdleLoop(AsyncRolloutLoop):
+    async def setup(self):
+        await asyncio.sleep(3600)  # alive and beating, never generating
+
+
+class BlockingSetup(AsyncRolloutLoop):
+    async def setup(self):
+        time.sleep(3600)  # blocks the event loop: no heartbeat
+
+
+def test_worker_exception_reaches_get_with_traceback(tiny_qwen3):
+    worker = RolloutWorker(config_for(tiny_qwen3), [{"prompt": PROMPT}], [length_reward], loop_cls=FailingSetup)
+    worker.start()
+    try:
+        with pytest.raises(RuntimeError, match="(?s)Traceback.*in setup.*ValueError: boom from setup"):
+            worker.get(timeout=120)
+    finally:
+        worker.stop()
+
+
+def test_killed_worker_makes_get_raise_within_the_timeout(tiny_qwen3):
+    worker = RolloutWorker(config_for(tiny_qwen3, rollout_worker_timeout=300), [{"prompt": PROMPT}],
+                           [length_reward], loop_cls=IdleLoop)
+    worker.start()
+    try:
+        assert worker.get(timeout=3) is None  # alive, nothing to give
+        os.kill(worker.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="killed by signal 9"):
+            worker.get(timeout=60)
+        assert time.monotonic() - start < 10
+    finally:
+        worker.stop()
+
+
+def test_hung_worker_is_detected_by_its_heartbeat(tiny_qwen3):
+    worker = RolloutWorker(config_for(tiny_qwen3, rollout_worker_timeout=20), [{"prompt": PROMPT}],
+                           [length_reward], loop_cls=BlockingSetup)
+    worker.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="hung: no heartbeat"):
+            worker.get(timeout=120)
+        assert time.monotonic() - start < 60
+    finally:
+        worker.stop()
+
+
+# ---- a real run ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_worker_streams_scored_samples(vllm_server, tiny_qwen3):
+    config = config_for(tiny_qwen3, vllm_server.base_url)
+    worker = RolloutWorker(config, [{"prompt": PROMPT, "answer": "7"}] * 3, [length_reward], model_version=1)
+    worker.start()
+    try:
+        got = [worker.get(timeout=120) for _ in range(6)]
+        assert all(s is not None and s.model_version == 1 and s.num_trained > 0 for s in got)
+        assert all(s.completion_mask[0] == 0 and len(s.sampler_logprobs) == len(s.input_ids) for s in got)
+        time.sleep(6)  # one /metrics poll
+        w = MetricsWindow()
+        w.extend(worker.drain_metrics())
+        out = w.reduce()
+        for name in ("reward", "frac_reward_zero_std", "completions/mean_length", "rollout/concurrency_cap",
+                     "rollout/vllm_kv_cache_usage_frac", "perf/rollout_wait_s", "sample/staleness_max"):
+            assert name in out, name
+        assert worker.consumed_groups >= 1 and worker.state_dict()["prompt_index"] >= 1
+    finally:
+        start = time.monotonic()
+        worker.stop()
+        assert time.monotonic() - start < 30 and not worker.process.is_alive()
