@@ -168,11 +168,12 @@ def clip_metrics(raw_ratio: Tensor, advantages: Tensor, mask: Tensor, sample_id:
     low = (raw_ratio < 1 - cfg.epsilon) & (advantages < 0) & mask  # [M]
     high = (raw_ratio > 1 + cfg.epsilon_high) & (advantages > 0) & mask
     kept = mask.float()
-    _, completion = torch.unique(sample_id, return_inverse=True)  # [M] -> 0..num_completions-1
-    per_completion_kept = _per_completion_sum(kept, completion)
+    completions, completion = torch.unique(sample_id, return_inverse=True)  # [M] -> 0..num_completions-1
+    num = completions.numel()
+    per_completion_kept = _per_completion_sum(kept, completion, num)
     has_tokens = per_completion_kept > 0
-    low_frac = _per_completion_sum(low.float(), completion)[has_tokens] / per_completion_kept[has_tokens]
-    high_frac = _per_completion_sum(high.float(), completion)[has_tokens] / per_completion_kept[has_tokens]
+    low_frac = _per_completion_sum(low.float(), completion, num)[has_tokens] / per_completion_kept[has_tokens]
+    high_frac = _per_completion_sum(high.float(), completion, num)[has_tokens] / per_completion_kept[has_tokens]
     num_kept = kept.sum()
     return {
         "clip_ratio/low_mean": low.float().sum() / num_kept,
@@ -188,8 +189,7 @@ def entropy_metric(entropy: Tensor) -> dict[str, Tensor]:
     return {"entropy": _reduce(entropy.detach().float(), torch.mean)}
 
 
-def _per_completion_sum(values: Tensor, completion: Tensor) -> Tensor:
-    num = int(completion.max().item()) + 1 if completion.numel() else 0
+def _per_completion_sum(values: Tensor, completion: Tensor, num: int) -> Tensor:
     return torch.zeros(num, dtype=values.dtype, device=values.device).index_add_(0, completion, values)
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grpo.config import AsyncGRPOConfig
-from grpo.losses import (LOSSES, LossConfig, LossInputs, centering_residuals, get_loss, normalized_loss,
-                         register_loss)
+from grpo.losses import (LOSSES, LossConfig, LossInputs, centering_residuals, entropy_metric, get_loss,
+                         normalized_loss, register_loss)
 
 V = 6
 CFG = LossConfig(epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0)
@@ -324,3 +324,10 @@ def test_loss_config_from_run_config():
     cfg = LossConfig.from_run_config(AsyncGRPOConfig(epsilon=0.1, vllm_importance_sampling_clip_min=0.3))
     assert cfg == LossConfig(epsilon=0.1, epsilon_high=0.1, is_clip_min=0.3, is_clip_max=5.0)
     assert LossConfig.from_run_config(AsyncGRPOConfig(epsilon_high=0.28)).epsilon_high == 0.28
+
+
+def test_entropy_metric_is_the_detached_mean():
+    entropy = torch.tensor([0.5, 1.5, 1.0], requires_grad=True)
+    value = entropy_metric(entropy)["entropy"]
+    assert value.item() == pytest.approx(1.0) and not value.requires_grad
+    assert math.isnan(entropy_metric(torch.zeros(0))["entropy"].item())
