@@ -19,7 +19,8 @@ it).
 `patch_gdn_layers` is the one place this codebase wraps model code: transformers routes attention through
 `AttentionInterface` (which `grpo/tree_attention.py` uses), but has no such interface for recurrent layers, so
 the GDN modules' `forward` is wrapped per instance (transformers' files are not edited). The wrapper takes the
-tree path only while `grpo.tree_attention.ACTIVE_ROW` holds a row, and calls the original forward otherwise.
+tree path only inside `grpo.tree_attention.forward_hidden` (its `tree_context` keyword, or `ACTIVE_ROW` holding
+a row), and calls the original forward otherwise.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def is_gdn_layer(module) -> bool:
 
 
 def patch_gdn_layers(model) -> int:
-    """Wrap every GDN layer's `forward` so it runs tree-aware while `ACTIVE_ROW` holds a packed row.
+    """Wrap every GDN layer's `forward` so it runs tree-aware during a packed forward (`forward_hidden`).
 
     Works on text and VLM Qwen3.5 models (any module tree). Idempotent; returns the number of GDN layers.
     Outside a packed forward (no active row) the original forward runs unchanged, e.g. for generation.
@@ -223,7 +224,7 @@ def patch_gdn_layers(model) -> int:
 
 
 class _RowPlanCache:
-    """The plan of the most recent row, so all GDN layers of one forward (and its recompute) share it."""
+    """The plan of the most recent row, for forwards that set only `ACTIVE_ROW` (no `tree_context` to cache in)."""
 
     def __init__(self):
         self.row = None
@@ -237,11 +238,29 @@ class _RowPlanCache:
         return self.plan
 
 
-def _tree_aware_forward(layer, plan_cache: _RowPlanCache, hidden_states, cache_params=None, attention_mask=None,
-                        **kwargs):
+def _active_row_and_plan(layer, plan_cache: _RowPlanCache, tree_context):
+    """(row, plan) of the packed forward in progress, or (None, None) outside one.
+
+    `tree_context` (grpo.tree_attention.TreeContext) arrives as a layer keyword, so it is also present when
+    gradient checkpointing re-runs the layer during backward, after `ACTIVE_ROW` has been reset; its per-forward
+    cache then holds the plan for every GDN layer.
+    """
     from grpo.tree_attention import ACTIVE_ROW
 
-    row = ACTIVE_ROW.get(None)
+    if tree_context is None:
+        row = ACTIVE_ROW.get(None)
+        return (None, None) if row is None else (row, plan_cache.get(row, layer.conv_kernel_size))
+    key = ("gdn_plan", layer.conv_kernel_size)
+    if key not in tree_context.cache:
+        row = tree_context.row
+        tree_context.cache[key] = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent,
+                                                 layer.conv_kernel_size)
+    return tree_context.row, tree_context.cache[key]
+
+
+def _tree_aware_forward(layer, plan_cache: _RowPlanCache, hidden_states, cache_params=None, attention_mask=None,
+                        **kwargs):
+    row, plan = _active_row_and_plan(layer, plan_cache, kwargs.get("tree_context"))
     if row is None:
         return layer._tree_original_forward(hidden_states, cache_params=cache_params,
                                             attention_mask=attention_mask, **kwargs)
@@ -250,4 +269,4 @@ def _tree_aware_forward(layer, plan_cache: _RowPlanCache, hidden_states, cache_p
     if hidden_states.shape[:2] != (1, row.input_ids.shape[0]):
         raise ValueError(f"hidden states {tuple(hidden_states.shape)} do not match the active packed row of "
                          f"{row.input_ids.shape[0]} tokens: unpad the row and forward it as batch 1")
-    return tree_gdn_forward(layer, hidden_states, plan_cache.get(row, layer.conv_kernel_size))
+    return tree_gdn_forward(layer, hidden_states, plan)

@@ -171,3 +171,81 @@ def test_levels_bound_sequential_launches(gdn_layer):
     tree_chunk_gated_delta_rule(counting_rule, torch.randn(n, h, d), torch.randn(n, h, d), torch.randn(n, h, d),
                                 -torch.rand(n, h), torch.rand(n, h), plan)
     assert len(calls) == depth and sum(calls) == row.num_segments
+
+
+@pytest.fixture(scope="module")
+def qwen35_pair(tiny_models):
+    """(unpatched, patched) copies of the tiny Qwen3.5 VLM with weights large enough for logprobs to vary."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from grpo.gdn import patch_gdn_layers
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(tiny_models["qwen3_5"], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 0.3, generator=gen).log())
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        model.lm_head.weight.mul_(10)
+    patched = copy.deepcopy(model)
+    assert patch_gdn_layers(patched) == 3
+    assert patch_gdn_layers(patched) == 3  # idempotent
+    return model, patched
+
+
+def _unpacked_logprobs(model, samples: list[list[int]]) -> torch.Tensor:
+    """Per-sample ordinary forwards; the log-prob of every token i >= 1, samples concatenated (the row's order)."""
+    out = []
+    for tokens in samples:
+        ids = torch.tensor(tokens)[None]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [L-1, V]
+        out.append(logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0])
+    return torch.cat(out)  # [M]
+
+
+def _packed_logprobs(model, row) -> torch.Tensor:
+    from grpo.tree_attention import forward_hidden, lm_head_weight
+
+    hidden = forward_hidden(model, row, backend="sdpa")  # [N, hidden]
+    logits = hidden[row.token_index] @ lm_head_weight(model).T  # [M, V]
+    return logits.log_softmax(-1).gather(-1, row.targets[:, None])[:, 0]  # [M]
+
+
+@pytest.mark.parametrize("kind", list(TRIES))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_model_logprobs_match_unpacked(qwen35_pair, kind, checkpointing):
+    """Whole hybrid model (3 GDN layers + 1 full-attention layer): packed logprobs and their gradients equal the
+    per-sample forwards of the unpatched model; with gradient checkpointing the GDN layers re-run in backward."""
+    reference_model, patched = qwen35_pair
+    samples = TRIES[kind](random.Random(7))
+    row = pack_samples([_sample(t) for t in samples])
+    if checkpointing:
+        patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        patched.train()
+    try:
+        packed = _packed_logprobs(patched, row)
+        weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(2))
+        params = [p for _, p in patched.model.language_model.named_parameters()]
+        packed_grads = torch.autograd.grad((packed * weights).sum(), params)
+    finally:
+        patched.gradient_checkpointing_disable()
+        patched.eval()
+    reference = _unpacked_logprobs(reference_model, samples)
+    reference_params = [p for _, p in reference_model.model.language_model.named_parameters()]
+    reference_grads = torch.autograd.grad((reference * weights).sum(), reference_params)
+
+    assert reference.std() > 0.1  # logprobs vary: the comparison is not between near-uniform distributions
+    torch.testing.assert_close(packed, reference, atol=2e-5, rtol=1e-5)
+    names = [n for n, _ in patched.model.language_model.named_parameters()]
+    for name, got, want in zip(names, packed_grads, reference_grads):
+        _assert_close_to_scale(got, want, f"grad of {name}", tol=2e-5)
+
+
+def test_patched_model_without_row_is_unchanged(qwen35_pair):
+    reference_model, patched = qwen35_pair
+    ids = torch.tensor([_tokens(random.Random(9), 40)])
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, reference_model(input_ids=ids).logits,
+                                   atol=0, rtol=0)
