@@ -92,14 +92,29 @@ class CPUFileWeightTransferEngine(_Engine):
 
 
 def _repack_cpu_moe(model) -> None:
-    """vLLM's CPU fused-MoE method skips its expert-weight repack on a weight update (cpu_vllm.md, section 8):
-    redo the post-load processing of every fused-MoE layer so reloaded experts are actually used."""
+    """Redo the CPU grouped-GEMM prepack of every MoE layer after a weight update (cpu_vllm.md, section 8).
+
+    vLLM 0.32's unquantized MoE method prepacks experts only on the first load: on an update `_setup_kernel` copies
+    the new, *unpacked* weights into the kernel tensors and skips `fused_experts.process_weights_after_loading`,
+    so the CPU kernel reads raw weights as if packed (logprobs off by 0.3-2 nats). Prepacking is shape-preserving,
+    so running the experts' own post-load step on the refreshed tensors restores the kernel layout.
+    """
     try:
-        from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:
         return
+    import logging
+
     for module in model.modules():
-        if isinstance(module, FusedMoE):
-            method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(module)
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        moe_config = experts.moe_config
+        if experts._padded_intermediate_size(moe_config) != moe_config.intermediate_size_per_partition:
+            # The first load padded the intermediate dim; re-padding padded tensors would corrupt them.
+            logging.getLogger(__name__).warning(
+                "cpu_file: MoE intermediate size %d needs CPU padding; experts not repacked after the update",
+                moe_config.intermediate_size_per_partition)
+            continue
+        experts.process_weights_after_loading(module)

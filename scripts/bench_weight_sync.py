@@ -12,7 +12,6 @@ from `build_plan` on a meta-device transformers model, so the manifest is the on
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass

@@ -4,7 +4,6 @@ trainer's model after a sync (and differ from before it)."""
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import time
