@@ -241,3 +241,103 @@ def test_failed_update_raises_without_hanging(tiny_models, tmp_path):
         sync.close()
     finally:
         server.stop()
+
+
+# ---- GPU: the NCCL path end to end, against a stand-in for one vLLM worker ----------------------------------------
+def _stand_in_vllm_worker(port: int, received_path: str) -> None:
+    """The server side of the NCCL contract on cuda:1 without vLLM: the routes WeightSync calls, joining the
+    group as rank 1 and cutting/unpacking chunks from the manifest as vLLM's consumer does."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from grpo.nccl_broadcast import NcclGroup, packed_broadcast_receive
+
+    state: dict = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            route = self.path.split("?")[0]
+            self._reply({"/get_world_size": {"world_size": 1},
+                         "/server_info": {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}}},
+                         "/weight_info": {"weight_version": state.get("version")}}.get(route, {}))
+
+        def do_POST(self):
+            torch.cuda.set_device(1)  # the CUDA device is per thread
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else {}
+            route = self.path.split("?")[0]
+            if route == "/init_weight_transfer_engine":
+                info = state["info"] = body["init_info"]
+                state["group"] = NcclGroup(info["master_address"], info["master_port"], rank=1,
+                                           world_size=info["world_size"], timeout=120)
+            elif route == "/update_weights":
+                received = {}
+                packed_broadcast_receive(state["group"], body["update_info"], state["info"]["packed_buffer_size_bytes"],
+                                         state["info"]["packed_num_buffers"],
+                                         lambda chunk: received.update({n: t.clone() for n, t in chunk}))
+                torch.cuda.synchronize()
+                torch.save({n: t.cpu() for n, t in received.items()}, received_path)
+            elif route == "/finish_weight_update":
+                state["version"] = body.get("weight_version")
+            self._reply({})
+
+    torch.cuda.set_device(1)
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+@pytest.mark.gpu
+def test_nccl_sync_end_to_end(tmp_path):
+    """WeightSync(mode=nccl) on cuda:0 -> a stand-in worker on cuda:1: every checkpoint-named tensor arrives
+    bit-exact in the server dtype (bf16), over many chunks (64 KiB buffers), MoE experts unfused."""
+    import multiprocessing
+
+    import transformers as tf
+
+    from grpo.weight_sync import _free_port
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    cfg = tf.Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, vocab_size=1024)
+    model = tf.Qwen3MoeForCausalLM(cfg).to("cuda:0")
+    port, received_path = _free_port(), tmp_path / "received.pt"
+    server = multiprocessing.get_context("spawn").Process(target=_stand_in_vllm_worker,
+                                                          args=(port, str(received_path)), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/get_world_size", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.is_alive(), "stand-in server did not start"
+                time.sleep(0.5)
+        sync = WeightSync(f"http://127.0.0.1:{port}",
+                          WeightSyncConfig(mode="nccl", timeout=120, buffer_size_bytes=1 << 16))
+        sync.init(model)
+        timings = sync.sync(model, version=3)
+        assert sync.control.weight_info() == "3" and timings["perf/weight_sync_transfer_s"] > 0
+        received = torch.load(received_path)
+        expected = {name: tensor.cpu() for name, tensor in sync.plan.iter_tensors()}
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in received
+        assert list(received) == list(expected)
+        for name, tensor in expected.items():
+            assert tensor.dtype == torch.bfloat16 and torch.equal(received[name], tensor), name
+        sync.close()
+    finally:
+        server.terminate()
