@@ -63,7 +63,7 @@ class AsyncRolloutLoop:
                  metrics_queue=None, tools: list[Callable] | None = None,
                  environment_factory: Callable | dict[str, Callable] | None = None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, queued_tokens_value=None,
-                 stop_event=None, group_callback: Callable[[RolloutGroup, bool], None] | None = None,
+                 stop_event=None, group_callback: Callable[[RolloutGroup, np.ndarray, bool], None] | None = None,
                  client=None):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs = list(reward_funcs or [])
@@ -329,7 +329,7 @@ class AsyncRolloutLoop:
             elif self.rollout_buffer is not None:
                 self.rollout_buffer.put(ConsumedGroup(group.group_id, "dropped"))
             if self.group_callback is not None:
-                self.group_callback(group, kept)
+                self.group_callback(group, advantages, kept)
             self._score_queue.task_done()
             self._flush_metrics()
 

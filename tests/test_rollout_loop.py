@@ -50,7 +50,7 @@ def tokenizer(tiny_qwen3):
 
 def collect(loop, max_groups):
     groups = []
-    loop.group_callback = lambda g, kept: groups.append((g, kept))
+    loop.group_callback = lambda g, advantages, kept: groups.append((g, kept))
     asyncio.run(loop.run(max_groups=max_groups))
     return groups
 
@@ -450,7 +450,7 @@ def test_backpressure_keeps_queued_and_inflight_tokens_within_the_allowance(vllm
 
 
 class FastPoll(AsyncRolloutLoop):
-    metrics_poll_s = 0.5
+    metrics_poll_s = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -466,11 +466,12 @@ def small_kv_server(tiny_qwen3, tmp_path_factory):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server, tiny_qwen3, tokenizer):
-    config = make_config(small_kv_server, tiny_qwen3, num_generations=4, max_completion_length=460,
+    # ~490-token rollouts: 4 blocks each from token 385 on, so 4 of them (or any cap growth) fill the cache.
+    config = make_config(small_kv_server, tiny_qwen3, num_generations=4, max_completion_length=490,
                          max_concurrent_rollouts=16)
     metrics = queue.Queue()
     loop = make_loop(FastPoll, config, [{"prompt": PROMPT}] * 8, [length_reward], tokenizer, metrics_queue=metrics)
-    asyncio.run(loop.run(max_groups=6))
+    asyncio.run(loop.run(max_groups=10))
     caps, usage = [], []
     while not metrics.empty():
         for name, value in metrics.get():
