@@ -182,6 +182,7 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
 
     from grpo.rollout_loop import format_exception
 
+    shared["heartbeat"].value = time.time()  # spawn start-up (imports) must not read as a hang
     try:
         loop_cls = spec.loop_cls
         if loop_cls is None:
@@ -191,6 +192,7 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.config.trust_remote_code)
+        shared["heartbeat"].value = time.time()
         loop = loop_cls(
             spec.config, spec.model_name, spec.dataset, spec.reward_funcs, tokenizer,
             spec.eos_token_ids or [tokenizer.eos_token_id], rollout_buffer=shared["samples"],

@@ -464,11 +464,11 @@ class AsyncRolloutLoop:
                 self.cap.start_from(first.kv_cache_max_concurrency)
             try:
                 await self._run_tasks(max_groups)
-            except BaseExceptionGroup as group:  # one failing hook: raise it plainly, with its own traceback
-                leaves = _leaves(group)
-                if len(leaves) == 1:
-                    raise leaves[0] from None
-                raise
+            except BaseExceptionGroup as group:  # raise the first failure plainly, with its own traceback
+                first, *others = _leaves(group)
+                if others:
+                    first.add_note(f"({len(others)} more concurrent failures in the rollout loop)")
+                raise first from None
             self._flush_metrics()
         finally:
             try:

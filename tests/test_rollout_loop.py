@@ -483,3 +483,56 @@ def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server,
     low = caps.index(min(caps))
     assert min(caps) < 4 and max(usage) > 0.8, (caps, usage)
     assert max(caps[low:]) > min(caps), (caps, usage)  # grew back once the cache had room
+
+
+@pytest.mark.vllm
+def test_rollout_sample_command_prints_summary(vllm_server, tiny_qwen3, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "groups.jsonl"
+    cmd = [sys.executable, "rollout.py", "sample", "--model", str(tiny_qwen3), "--vllm-server-base-url",
+           vllm_server.base_url, "--dataset", "builtin:letters", "--reward-funcs", "letters", "--num-generations", "4",
+           "--max-completion-length", "16", "--num-prompts", "3", "--output", str(out)]
+    result = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "groups 3" in result.stdout and "reward mean" in result.stdout and "tokens/s" in result.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["group_id"] for r in records) == [0, 1, 2]
+    assert all(len(r["rewards"]) == 4 and len(r["completion_ids"]) == 4 for r in records)
+
+
+def index_reward(completion_ids, **kwargs):
+    return [float(i) for i in range(len(completion_ids))]
+
+
+class VersionBump(ScriptedLoop):
+    """Every sampling request advances the shared version, as weight syncs would during generation."""
+
+    script = ("answer",)
+
+    async def generate_one_turn(self, prompt_ids):
+        await asyncio.sleep(0.01)
+        self.model_version_value.value += 1
+        return await super().generate_one_turn(prompt_ids)
+
+
+@pytest.mark.vllm
+def test_group_version_is_read_at_first_dispatch_and_resume_skips_ahead(vllm_server, tiny_qwen3, tokenizer):
+    config = make_config(vllm_server, tiny_qwen3, num_generations=3, max_concurrent_rollouts=2)
+    version = multiprocessing.Value("q", 7)
+    buffer = queue.Queue()
+    loop = make_loop(VersionBump, config, [{"prompt": PROMPT}] * 2, [index_reward], tokenizer,
+                     rollout_buffer=buffer, model_version_value=version, dataset_start_index=3)
+    groups = sorted(collect(loop, max_groups=3), key=lambda gk: gk[0].group_id)
+    assert [g.row_index for g, _ in groups] == [1, 0, 1]  # prompt 3 of a 2-row dataset: epoch 1, row 1
+    assert groups[0][0].model_version == 7  # read when its first rollout was dispatched, before any bump
+    # the third rollout of group 0 waited for a slot while versions advanced; the group keeps version 7
+    assert all(later[0].model_version > 7 for later in groups[1:])
+    samples = [s for s in buffer.queue if not isinstance(s, ConsumedGroup)]
+    assert len(samples) == 9
+    for group, kept in groups:
+        assert all(s.model_version == group.model_version for s in samples if s.group_id == group.group_id)
