@@ -349,7 +349,8 @@ class VLLMClient:
         self._http: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._max_model_len: int | None = None
-        self._seeds = random.Random()  # seeded from os.urandom: seeds differ across processes and requests
+        # os.urandom-backed: seeds stay distinct even if this object is copied into forked processes.
+        self._seeds = random.SystemRandom()
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -398,11 +399,16 @@ class VLLMClient:
         return self._max_model_len
 
     async def metrics(self) -> ServerMetrics | None:
-        """Scheduler gauges from `/metrics`; None when the route is missing or its text is not vLLM's."""
+        """Scheduler gauges from `/metrics`; None when the route is missing or its text is not vLLM's.
+
+        One attempt, no retry: a poller calls again soon. Transport errors propagate to be counted by the caller.
+        """
+        response = await self._client().get("/metrics", timeout=min(self.timeout, 30.0))
+        if not response.is_success:
+            return None
         try:
-            response = await self._request("GET", "/metrics")
             return parse_metrics(response.text)
-        except (VLLMServerError, ValueError):
+        except ValueError:
             return None
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0,

@@ -328,3 +328,21 @@ def test_control_plane_round_trip(vllm_server, tiny_qwen3):
         assert not done_while_paused and len(turn.output_ids) == 4
         assert not control.is_paused()
         control.reset_prefix_cache()
+
+
+def test_metrics_is_none_when_the_route_is_missing():
+    handler = type("Handler", (_FlakyServer,), {"fail_status": 404, "fail_first": 10, "served": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def run():
+        client = VLLMClient(f"http://127.0.0.1:{server.server_address[1]}", "m", timeout=10)
+        try:
+            return await client.metrics(), client.retry_count
+        finally:
+            await client.close()
+
+    try:
+        assert asyncio.run(run()) == (None, 0)
+    finally:
+        server.shutdown()
