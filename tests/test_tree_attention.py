@@ -185,3 +185,21 @@ def _ref_on(model, samples):
                            device="cuda")
         out.append(torch.log_softmax(logits[pos - 1], -1).gather(-1, ids[0, pos][:, None])[:, 0])
     return out
+
+
+def test_qwen3_5_text_stack_single_sample(tiny_models):
+    """Qwen3.5 VLM checkpoint: the text decoder is found, M-RoPE rows get the depth, full-attention layers go
+    through the tree function. One sample only: its GDN layers are tree-aware only with grpo/gdn.py."""
+    from transformers import AutoModelForImageTextToText
+
+    def load():
+        return AutoModelForImageTextToText.from_pretrained(tiny_models["qwen3_5"], dtype=torch.float32,
+                                                           attn_implementation="eager")
+
+    ref_model, tree_model = load(), load()
+    rng = random.Random(5)
+    samples = [_sample([rng.randrange(10, 900) for _ in range(24)], rng)]
+    with torch.no_grad():
+        ref = reference_logprobs(ref_model, samples)[0]
+        tree = packed_logprobs(tree_model, pack_samples(samples), "sdpa")
+    torch.testing.assert_close(tree, ref, atol=1e-5, rtol=0)
