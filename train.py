@@ -147,7 +147,7 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_cfg, world:
         loss = loss + out.aux_loss / grad_accum
         metrics["aux_loss"] = float(out.aux_loss)
     loss.backward()
-    metrics |= {"loss": float(loss) * grad_accum, "perf/fwd_s": t_fwd,
+    metrics |= {"loss": float(loss.detach()) * grad_accum, "perf/fwd_s": t_fwd,
                 "perf/fwd_bwd_s": _sync_time(t0, device), "_forwarded": row.num_tokens,
                 "_attn_len": row.num_tokens / max(row.num_samples, 1)}
     return metrics
@@ -184,6 +184,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.weight_sync import WeightSync, WeightSyncConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     info = init_distributed(config.vllm_server_timeout)
     torch.manual_seed(config.seed)
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(

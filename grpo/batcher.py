@@ -144,7 +144,9 @@ class TokenBudgetBatcher:
         if empty:
             return empty[0], 0
         max_load = max(row.load for row in self._rows)
-        ok = [i for i in fitting if self._rows[i].load + _new_load(shared[i], len(sample)) <= max_load]
+        # The load rule balances ranks; with a single rank there is nothing to balance, so fill up to the budget.
+        ok = [i for i in fitting
+              if self.num_ranks == 1 or self._rows[i].load + _new_load(shared[i], len(sample)) <= max_load]
         if ok:
             best = min(ok, key=lambda i: self._rows[i].load)
             return best, shared[best]
