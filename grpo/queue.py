@@ -203,6 +203,9 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
             lora_name=spec.lora_name, dataset_start_index=spec.dataset_start_index,
             queued_tokens_value=shared["queued_tokens"], stop_event=shared["stop"])
         asyncio.run(loop.run())
+        # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
+        # into a pipe nobody reads.
+        shared["samples"].cancel_join_thread()
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then die
         shared["exceptions"].put(format_exception(exc))
         shared["failed"].set()
