@@ -265,6 +265,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             if info.is_main:
                 worker.set_token_allowance(max(config.max_staleness, 1) * sum(len(s) for s in samples))
                 worker.set_model_version(version)
+                record_trained_prompts(config.output_dir, step, samples, state["prompt_index"])
             step_metrics = step_summary(plans, samples, micro, info, time.perf_counter() - t_step, optimizer_s,
                                         sync_metrics, model.config, peak)
             num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
@@ -324,6 +325,17 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
         out[key] = max(values) if "max" in key.rsplit("/", 1)[-1] else (
             min(values) if "min" in key.rsplit("/", 1)[-1] else float(np.mean(values)))
     return out
+
+
+def record_trained_prompts(output_dir: str, step: int, samples, start_index: int) -> None:
+    """Append which prompt positions (dataset_start_index + group_id) this step trained: an audit trail for
+    epochs and resume (each prompt is trained once per epoch, across restarts)."""
+    import json
+    from pathlib import Path
+
+    positions = sorted({start_index + s.group_id for s in samples})
+    with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "prompts": positions}) + "\n")
 
 
 def log_window(logger, step: int, window: list[dict], worker) -> None:
