@@ -1,0 +1,210 @@
+"""train.py end to end: FSDP2 ranks agree with one process, the loop trains against a real vLLM server and pushes
+its weights there, checkpoints resume at the trained position after a kill, and torchrun with 2 CPU ranks runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, start_server
+
+PY = sys.executable
+
+
+def random_samples(seed: int, groups: int = 4, group_size: int = 3, vocab: int = 1024) -> list:
+    from grpo.samples import TrainingSample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(4, vocab, rng.integers(4, 10)).tolist()
+        for _ in range(group_size):
+            completion = rng.integers(4, vocab, rng.integers(2, 8)).tolist()
+            ids = prompt + completion
+            mask = [0] * len(prompt) + [1] * len(completion)
+            out.append(TrainingSample(input_ids=ids, completion_mask=mask,
+                                      sampler_logprobs=(rng.normal(-6.9, 0.3, len(ids)) * np.array(mask)).tolist(),
+                                      advantage=float(rng.normal()), group_id=g, model_version=0))
+    return out
+
+
+def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], trained: int, tiny: str, out: str):
+    """Run in each process: FSDP2-shard the policy, one micro-batch, write the full gradients from rank 0."""
+    import contextlib
+
+    from grpo.distributed import init_distributed, shard_model
+    from grpo.losses import LossConfig, get_loss
+    from grpo.model import load_policy
+    from grpo.policy import PackedPolicy
+    from train import StepPlan, train_micro_batch
+
+    if world > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    info = init_distributed()
+    model = load_policy(tiny, gradient_checkpointing=False)
+    policy = shard_model(PackedPolicy(model, "sdpa", temperature=1.0), info, mixed_precision=False)
+    plan = StepPlan(rows, trained)
+    metrics = train_micro_batch(policy, rows[info.rank], plan, get_loss("clipped_surrogate"), LossConfig(),
+                                world, 1, contextlib.nullcontext)
+    grads = {}
+    for name, p in policy.named_parameters():
+        g = p.grad
+        grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    if info.rank == 0:
+        torch.save({"grads": grads, "loss": metrics["loss"]}, out)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def _spawned(rank, world, rows, trained, tiny, out, port):
+    os.environ["MASTER_PORT"] = str(port)
+    _grads_after_one_micro_batch(rank, world, rows, trained, tiny, out)
+
+
+def test_two_fsdp_ranks_match_one_process(tiny_qwen3, tmp_path):
+    """Rows split over 2 gloo ranks (FSDP2 on CPU) give the gradient of one process training all of them:
+    each rank normalises by N_glob / W and FSDP averages over W (algorithms.md 6.4)."""
+    import torch.multiprocessing as mp
+
+    from grpo.vllm_server import free_port
+
+    samples = random_samples(0)
+    rows = [[s for s in samples if s.group_id % 2 == r] for r in range(2)]
+    trained = sum(s.num_trained for s in samples)
+    _grads_after_one_micro_batch(0, 1, [samples], trained, str(tiny_qwen3), str(tmp_path / "one.pt"))
+    mp.spawn(_spawned, args=(2, rows, trained, str(tiny_qwen3), str(tmp_path / "two.pt"), free_port()), nprocs=2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one["grads"].keys() == two["grads"].keys()
+    for name, g in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], g, atol=1e-6, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for g in one["grads"].values())
+
+
+# ----------------------------------------------------------------------------------------- against a real server
+
+def _train_cmd(server_url: str, out: Path, *extra: str) -> list[str]:
+    return [PY, str(REPO / "train.py"), "--model", str(REPO / ".tiny" / "qwen3"), "--dataset", "builtin:letters",
+            "--reward-funcs", "letters", "--vllm-server-base-url", server_url, "--num-generations", "4",
+            "--max-completion-length", "8", "--learning-rate", "1e-3", "--output-dir", str(out),
+            "--rollout-worker-timeout", "120", *extra]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _prompt_logprobs(server_url: str, model: str, ids: list[int]) -> torch.Tensor:
+    import httpx
+
+    body = httpx.post(f"{server_url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}).json()
+    entries = body["choices"][0]["prompt_logprobs"][1:]
+    return torch.tensor([entries[i][str(t)]["logprob"] for i, t in enumerate(ids[1:])])
+
+
+def _model_logprobs(path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    return logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def train_server(tiny_qwen3, tmp_path_factory):
+    """This module's own server: training changes its weights, which must not leak into other tests."""
+    server = start_server(tiny_qwen3, tmp_path_factory.mktemp("train_vllm"))
+    yield server
+    server.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_train_end_to_end_weights_reach_server(train_server, tiny_qwen3, tmp_path):
+    out = tmp_path / "run"
+    ids = [1, 77, 300, 12, 500, 42, 2, 1, 9, 600]
+    model_name = str(tiny_qwen3)
+    before = _prompt_logprobs(train_server.base_url, model_name, ids)
+    proc = subprocess.run(_train_cmd(train_server.base_url, out, "--max-steps", "4", "--save-steps", "2"),
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["sample/staleness_max"] is None or r["sample/staleness_max"] <= 4 for r in rows)
+    for key in ("reward", "loss", "perf/weight_sync_s", "batch/packing_ratio", "rollout/concurrency_cap"):
+        assert any(r.get(key) is not None for r in rows), key
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "repro" / "config.json").exists() and (out / "repro" / "env.json").exists()
+    final = out / "checkpoint-4"
+    assert (out / "checkpoint-2" / "rollout_state.json").exists() and (final / "model.safetensors").exists()
+    # The last sync pushed the final weights: the server now scores exactly like the saved model.
+    after = _prompt_logprobs(train_server.base_url, model_name, ids)
+    torch.testing.assert_close(after, _model_logprobs(final, ids), atol=1e-4, rtol=0)
+    assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_kill_and_resume_trains_each_prompt_once(tiny_qwen3, tmp_path):
+    """SIGKILL a run after its first checkpoint; restart the server (the recovery for a trainer killed at any
+    point, even mid-sync), resume from `latest`: prompts below the checkpoint's low-water mark are never trained
+    again, every prompt below it was trained, and the step count continues."""
+    out = tmp_path / "run"
+    server = start_server(tiny_qwen3, tmp_path)
+    cmd = _train_cmd(server.base_url, out, "--max-steps", "50", "--save-steps", "3", "--max-staleness", "100")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(tmp_path / "run1.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoint-3").exists():
+            assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        server.stop()
+    state = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
+    low_water = state["prompt_index"]
+    first_run = [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
+    server = start_server(tiny_qwen3, tmp_path)
+    try:
+        resumed = subprocess.run(_train_cmd(server.base_url, out, "--max-steps", "6", "--save-steps", "3",
+                                            "--max-staleness", "100", "--resume-from-checkpoint", "latest"),
+                                 capture_output=True, text=True, timeout=900, cwd=REPO)
+    finally:
+        server.stop()
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
+    second_run = records[len(first_run):]
+    assert [r["step"] for r in second_run] == [4, 5, 6]
+    trained_before = {p for r in first_run if r["step"] <= 3 for p in r["prompts"]}
+    trained_after = {p for r in second_run for p in r["prompts"]}
+    assert low_water > 0
+    assert set(range(low_water)) <= trained_before  # nothing skipped (no group can be dropped at max_staleness 100)
+    assert not trained_after & set(range(low_water))  # nothing below the low-water mark trained twice
+    assert min(trained_after) >= low_water
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_torchrun_two_cpu_ranks(train_server, tmp_path):
+    out = tmp_path / "run"
+    torchrun = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    cmd = torchrun + _train_cmd(train_server.base_url, out, "--max-steps", "3", "--save-strategy", "no")[1:]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["batch/microbatches_per_step"] == 1 for r in rows)
+    assert (out / "checkpoint-3" / "model.safetensors").exists()
