@@ -455,10 +455,12 @@ class FastPoll(AsyncRolloutLoop):
 
 @pytest.fixture(scope="module")
 def small_kv_server(tiny_qwen3, tmp_path_factory):
-    """16 KV blocks of 128 tokens: 4 full-length (512) requests fill the cache (cpu_vllm.md section 4)."""
+    """16 KV blocks of 128 tokens (kv_cache_max_concurrency = 4 at max_model_len 512), prefix caching off so
+    rollouts of a group do not share prompt blocks (cpu_vllm.md section 4)."""
     from conftest import start_server
 
-    server = start_server(tiny_qwen3, tmp_path_factory.mktemp("vllm_small_kv"), kv_cache_bytes=2097152)
+    server = start_server(tiny_qwen3, tmp_path_factory.mktemp("vllm_small_kv"), kv_cache_bytes=2097152,
+                          extra_args=("--no-enable-prefix-caching",))
     yield server
     server.stop()
 
@@ -466,19 +468,24 @@ def small_kv_server(tiny_qwen3, tmp_path_factory):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server, tiny_qwen3, tokenizer):
-    # ~490-token rollouts: 4 blocks each from token 385 on, so 4 of them (or any cap growth) fill the cache.
-    config = make_config(small_kv_server, tiny_qwen3, num_generations=4, max_completion_length=490,
+    # ~268-token prompts + at most 110 generated tokens: every rollout holds 3 blocks from its prefill on. vLLM
+    # keeps one of the 16 blocks back, so 4 rollouts read as 12/15 = 0.8 (hold) and 5 fill the cache (1.0 > 0.8:
+    # shrink); between groups usage reads low (< 0.6: grow). Prefix caching is off, so nothing is shared.
+    content = " ".join(["the word of", "and to in"][i % 2] for i in range(84))
+    prompt = [{"role": "user", "content": content}]
+    assert 256 < len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]) < 384 - 110
+    config = make_config(small_kv_server, tiny_qwen3, num_generations=4, max_completion_length=110,
                          max_concurrent_rollouts=16)
     metrics = queue.Queue()
-    loop = make_loop(FastPoll, config, [{"prompt": PROMPT}] * 8, [length_reward], tokenizer, metrics_queue=metrics)
-    asyncio.run(loop.run(max_groups=10))
+    loop = make_loop(FastPoll, config, [{"prompt": prompt}] * 8, [length_reward], tokenizer, metrics_queue=metrics)
+    asyncio.run(loop.run(max_groups=24))
     caps, usage = [], []
     while not metrics.empty():
         for name, value in metrics.get():
             if name == "rollout/concurrency_cap":
                 caps.append(value)
             elif name == "rollout/vllm_kv_cache_usage_frac":
-                usage.append(value)
+                usage.append(round(value, 2))
     assert loop.cap.initial_limit == 4  # kv_cache_max_concurrency = 2048 KV tokens / max_model_len 512
     low = caps.index(min(caps))
     assert min(caps) < 4 and max(usage) > 0.8, (caps, usage)
