@@ -191,9 +191,11 @@ class NcclGroup:
             self.comm = None
 
     def close(self) -> None:
+        """Local teardown. ncclCommDestroy finalizes with the peers, and a vLLM worker keeps its communicator for
+        the server's lifetime, so destroy would block forever (seen on 2xH200): finish our work, then abort."""
         if self.comm is not None:
-            self.nccl.lib.ncclCommDestroy(self.comm)
-            self.comm = None
+            torch.cuda.synchronize()
+            self.abort()
 
 
 # ---- packing (the chunk rule both ends must share) --------------------------------------------------------------
