@@ -28,7 +28,7 @@ from grpo.config import AsyncGRPOConfig
 from grpo.multiturn import FoldStats, fold_turns, parse_tool_calls
 from grpo.queue import ConcurrencyCap, TokenAllowance
 from grpo.samples import Rollout, RolloutGroup, TrainingSample, TurnRecord
-from grpo.scoring import group_metrics, is_async_callable, is_kept, score_group
+from grpo.scoring import group_metrics, is_async_callable, is_kept, rollout_metrics, score_group
 
 _model_version: contextvars.ContextVar[int] = contextvars.ContextVar("model_version", default=0)
 RESERVED_ENV_METHODS = ("reset", "get_reward")
@@ -276,8 +276,9 @@ class AsyncRolloutLoop:
 
     async def _collect_group(self, tasks, group_id: int, row_index: int, row: dict, version: int) -> None:
         results: list[_RolloutResult] = list(await asyncio.gather(*tasks))
+        has_tools = bool(self.tools) or self.environment_factory is not None
         for r in results:
-            self._push_rollout_metrics(r)
+            self._metric_items += rollout_metrics(r.rollout, len(r.samples), r.fold, r.duration_s, has_tools)
         kwargs = {k: [v] * len(results) for k, v in row.items() if k != "prompt"}
         group = RolloutGroup(
             prompts=[r.prompt for r in results], reward_kwargs=kwargs,
@@ -294,20 +295,6 @@ class AsyncRolloutLoop:
         await self._score_queue.put(group)
         if (blocked := time.perf_counter() - start) > 1e-3:
             self._push("rollout/score_block_s", blocked)
-
-    def _push_rollout_metrics(self, r: _RolloutResult) -> None:
-        self._push("rollout/duration_s", r.duration_s)
-        self._push("rollout/turns_mean", len(r.rollout.turns))
-        self._push("rollout/turns_max", len(r.rollout.turns))
-        self._push("rollout/samples_per_rollout", len(r.samples))
-        if r.fold.transitions:
-            self._push("rollout/fork_frac", (r.fold.forks, r.fold.transitions))
-        for drift in r.fold.drift_tokens:
-            self._push("rollout/drift_tokens_mean", drift)
-            self._push("rollout/drift_tokens_max", drift)
-        if self.tools or self.environment_factory is not None:
-            self._push("tools/call_frequency", r.rollout.tool_call_count)
-            self._push("tools/failure_frequency", (r.rollout.tool_failure_count, r.rollout.tool_call_count))
 
     # ================================ scoring =================================================================
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from grpo.samples import RolloutGroup
+from grpo.multiturn import FoldStats
+from grpo.samples import Rollout, RolloutGroup
 
 
 def is_async_callable(fn: Callable) -> bool:
@@ -120,4 +121,20 @@ def group_metrics(group: RolloutGroup, sources: dict[str, np.ndarray], kept: boo
             items += [("completions/mean_terminated_length", length), ("completions/min_terminated_length", length),
                       ("completions/max_terminated_length", length)]
     items.append(("completions/duplicate_frac", (duplicate_count(group), len(group.rollouts))))
+    return items
+
+
+def rollout_metrics(rollout: Rollout, num_samples: int, fold: FoldStats, duration_s: float,
+                    has_tools: bool) -> list[tuple[str, Any]]:
+    """Per-rollout metrics, pushed when its group completes (dropped groups included)."""
+    turns = len(rollout.turns)
+    items: list[tuple[str, Any]] = [("rollout/duration_s", duration_s), ("rollout/turns_mean", turns),
+                                    ("rollout/turns_max", turns), ("rollout/samples_per_rollout", num_samples)]
+    if fold.transitions:
+        items.append(("rollout/fork_frac", (fold.forks, fold.transitions)))
+    for drift in fold.drift_tokens:
+        items += [("rollout/drift_tokens_mean", drift), ("rollout/drift_tokens_max", drift)]
+    if has_tools:
+        items += [("tools/call_frequency", rollout.tool_call_count),
+                  ("tools/failure_frequency", (rollout.tool_failure_count, rollout.tool_call_count))]
     return items

@@ -137,6 +137,7 @@ def test_killed_worker_makes_get_raise_within_the_timeout(tiny_qwen3):
         worker.stop()
 
 
+@pytest.mark.slow
 def test_hung_worker_is_detected_by_its_heartbeat(tiny_qwen3):
     worker = RolloutWorker(config_for(tiny_qwen3, rollout_worker_timeout=20), [{"prompt": PROMPT}],
                            [length_reward], loop_cls=BlockingSetup)
