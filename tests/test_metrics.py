@@ -14,7 +14,8 @@ from grpo.metrics import MetricsLogger, MetricsWindow, reduction_of
     ("sample/dropped_stale_count", "count"), ("tools/search/call_count", "count"), ("rollout/vllm_retry_count", "count"),
     ("sample/staleness_max", "max"), ("completions/max_length", "max"), ("clip_ratio/low_min", "min"),
     ("sampling/importance_sampling_ratio/min", "min"), ("completions/min_terminated_length", "min"),
-    ("reward", "mean"), ("rollout/concurrency_cap", "mean"), ("rollout/discount_rate", "mean"),  # "discount" != "count"
+    ("reward", "mean"), ("rollout/concurrency_cap", "mean"),
+    ("rollout/discount_rate", "mean"),  # "discount" is not the word "count"
     ("completions/maximal", "mean"), ("frac_reward_zero_std", "mean")])
 def test_reduction_rule_follows_the_last_component(name, rule):
     assert reduction_of(name) == rule
