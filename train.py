@@ -143,14 +143,18 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_cfg, world:
         per_token, metrics = loss_fn(inputs, loss_cfg)
         loss = normalized_loss(per_token, plan.trained_tokens, world, grad_accum)
         metrics = {k: float(v) for k, v in metrics.items()} | {"entropy": float(out.entropy.mean())}
-    if out.aux_loss is not None:
-        loss = loss + out.aux_loss / grad_accum
-        metrics["aux_loss"] = float(out.aux_loss)
+    if out.aux_loss is not None:  # router_aux_loss_coef x aux_loss / GA (algorithms.md 6.3)
+        loss = loss + policy_module(policy).aux_coef * out.aux_loss / grad_accum
+        metrics["aux_loss"] = float(out.aux_loss.detach())
     loss.backward()
     metrics |= {"loss": float(loss.detach()) * grad_accum, "perf/fwd_s": t_fwd,
                 "perf/fwd_bwd_s": _sync_time(t0, device), "_forwarded": row.num_tokens,
                 "_attn_len": row.num_tokens / max(row.num_samples, 1)}
     return metrics
+
+
+def policy_module(policy):
+    return getattr(policy, "module", policy)
 
 
 def _sync_time(t0: float, device) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.logprobs import policy_token_logprobs
-from grpo.tree_attention import forward_hidden, lm_head_weight
+from grpo.tree_attention import forward_decoder, lm_head_weight
 
 
 @dataclass
@@ -21,7 +21,7 @@ class PolicyOutput:
     policy_logprobs: torch.Tensor  # [M] with grad
     policy_top_logprobs: torch.Tensor | None  # [M, K] with grad
     entropy: torch.Tensor  # [M] detached
-    aux_loss: torch.Tensor | None  # MoE load-balancing loss (unscaled), None for dense models
+    aux_loss: torch.Tensor | None  # MoE load-balancing loss (unscaled), None for dense models / coefficient 0
 
 
 class PackedPolicy(torch.nn.Module):
@@ -35,14 +35,18 @@ class PackedPolicy(torch.nn.Module):
         self.logprob_chunk = logprob_chunk
 
     def forward(self, row) -> PolicyOutput:
-        hidden = forward_hidden(self.model, row, self.backend)  # [N, H]
-        trained_hidden = hidden[row.token_index]  # [M, H]
+        extra = {"output_router_logits": True} if self.aux_coef else {}
+        out = forward_decoder(self.model, row, self.backend, **extra)
+        trained_hidden = out.last_hidden_state[0][row.token_index]  # [M, H]
         logp, top_logp, entropy = policy_token_logprobs(
             trained_hidden, lm_head_weight(self.model), row.targets, self.temperature,
             top_ids=row.sampler_top_ids, sampling_mask=row.sampling_mask, chunk_size=self.logprob_chunk)
-        return PolicyOutput(logp, top_logp, entropy, _pop_aux_loss(self.model))
+        aux = self.load_balancing_loss(out.router_logits) if self.aux_coef else None
+        return PolicyOutput(logp, top_logp, entropy, aux)
 
+    def load_balancing_loss(self, router_logits) -> torch.Tensor:
+        """The model's own (Switch-style) load-balancing loss over every packed token, unscaled."""
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-def _pop_aux_loss(model) -> torch.Tensor | None:
-    """MoE routers' load-balancing loss collected during the forward (see tree_attention.forward_hidden)."""
-    return getattr(model, "_grpo_aux_loss", None)
+        text = getattr(self.model.config, "text_config", None) or self.model.config
+        return load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok)

@@ -282,6 +282,11 @@ def install_tree_attention(model: torch.nn.Module) -> None:
 def forward_hidden(model: torch.nn.Module, row: PackedRow, backend: str = "auto") -> torch.Tensor:
     """Final-norm hidden states [N, hidden] of `row`'s tree-packed forward. Logits are the caller's business
     (chunked over hidden[row.token_index] with `lm_head_weight(model)`), so the [N, V] matrix never exists."""
+    return forward_decoder(model, row, backend).last_hidden_state[0]  # [N, hidden]
+
+
+def forward_decoder(model: torch.nn.Module, row: PackedRow, backend: str = "auto", **decoder_kwargs):
+    """The decoder's output object for `row` (e.g. with `output_router_logits=True` for MoE load balancing)."""
     decoder = text_decoder(model)
     device = decoder.embed_tokens.weight.device
     install_tree_attention(model)
@@ -292,7 +297,7 @@ def forward_hidden(model: torch.nn.Module, row: PackedRow, backend: str = "auto"
     token = ACTIVE_ROW.set(row)
     try:
         out = decoder(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,
-                      tree_context=ctx)
+                      tree_context=ctx, **decoder_kwargs)
     finally:
         ACTIVE_ROW.reset(token)
-    return out.last_hidden_state[0]  # [N, hidden]
+    return out

@@ -208,3 +208,29 @@ def test_torchrun_two_cpu_ranks(train_server, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["batch/microbatches_per_step"] == 1 for r in rows)
     assert (out / "checkpoint-3" / "model.safetensors").exists()
+
+
+def test_moe_load_balancing_loss_is_added(tiny_models):
+    """With router_aux_loss_coef > 0 the packed forward adds coef x aux_loss: with zero advantages the policy
+    term has no gradient, so the routers' gradient comes from the load-balancing loss alone."""
+    import contextlib
+
+    from grpo.losses import LossConfig, get_loss
+    from grpo.model import aux_loss_coef, load_policy
+    from grpo.policy import PackedPolicy
+    from train import StepPlan, train_micro_batch
+
+    model = load_policy(str(tiny_models["qwen3_moe"]), gradient_checkpointing=False)
+    coef = aux_loss_coef(model, None)
+    assert coef == model.config.router_aux_loss_coef > 0
+    samples = random_samples(1)
+    for s in samples:
+        s.advantage = 0.0
+    policy = PackedPolicy(model, "sdpa", 1.0, aux_coef=coef)
+    metrics = train_micro_batch(policy, samples, StepPlan([samples], sum(s.num_trained for s in samples)),
+                                get_loss("clipped_surrogate"), LossConfig(), 1, 1, contextlib.nullcontext)
+    assert 1.0 < metrics["aux_loss"] < 4.0  # ~top_k for a near-uniform router
+    gate_grads = [p.grad for n, p in model.named_parameters() if "mlp.gate." in n]
+    lm_head = model.get_output_embeddings().weight.grad
+    assert gate_grads and all(g is not None and g.abs().sum() > 0 for g in gate_grads)
+    assert lm_head is None or lm_head.abs().sum() == 0
