@@ -174,9 +174,13 @@ def _gathered_sdpa(ctx, query, key, value, scaling, window):
 
 def _flash_varlen(ctx, query, key, value, scaling, window):
     row = ctx.row
-    q = query[0].transpose(0, 1)  # [N, H, D]
-    k = key[0].transpose(0, 1)[row.kv_index]  # [K, Hkv, D], shared prefixes gathered once per descendant segment
-    v = value[0].transpose(0, 1)[row.kv_index]  # [K, Hkv, D]
+    out_dtype = query.dtype
+    # FlashAttention runs in fp16/bf16 only; fp32 masters under autocast still reach here in fp32 after RoPE.
+    half = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else (
+        torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16)
+    q = query[0].transpose(0, 1).to(half)  # [N, H, D]
+    k = key[0].transpose(0, 1)[row.kv_index].to(half)  # [K, Hkv, D], shared prefixes gathered per descendant segment
+    v = value[0].transpose(0, 1)[row.kv_index].to(half)  # [K, Hkv, D]
     left = -1 if window is None else window - 1
     varlen = _torch_varlen()
     if varlen is not None:
@@ -190,7 +194,7 @@ def _flash_varlen(ctx, query, key, value, scaling, window):
         out = flash(q, k, v, row.cu_seqlens_q, row.cu_seqlens_k, row.max_seqlen_q, row.max_seqlen_k,
                     softmax_scale=scaling, causal=True, window_size=(left, 0))
         out = out[0] if isinstance(out, tuple) else out
-    return out[None]  # [1, N, H, D]
+    return out[None].to(out_dtype)  # [1, N, H, D]
 
 
 def _block_mask(ctx: TreeContext, window: int | None):
