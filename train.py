@@ -102,7 +102,7 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
 def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | None:
     """Rank 0: pull samples into the batcher until it closes a micro-batch. None when the epochs are consumed."""
     while True:
-        if stop_groups is not None and worker.consumed_groups >= stop_groups:
+        if stop_groups is not None and worker.delivered.count >= stop_groups:  # the epochs are all delivered
             rows = batcher.flush()
             if rows is None:
                 return None
@@ -269,6 +269,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             if info.is_main:
                 worker.set_token_allowance(max(config.max_staleness, 1) * sum(len(s) for s in samples))
                 worker.set_model_version(version)
+                worker.mark_trained(s.group_id for s in samples)
                 record_trained_prompts(config.output_dir, step, samples, state["prompt_index"])
             step_metrics = step_summary(plans, samples, micro, info, time.perf_counter() - t_step, optimizer_s,
                                         sync_metrics, model.config, peak)

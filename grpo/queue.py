@@ -248,9 +248,8 @@ class RolloutWorker:
                            failed=ctx.Event(), stop=ctx.Event())
         self.process = None
         self._trainer_metrics: list[tuple[str, Any]] = []
-        self._consumed: set[int] = set()
-        self._low_water = 0  # first group id not yet consumed
-        self.consumed_groups = 0
+        self.delivered = GroupCounter()  # groups with a sample pulled, or a drop/filter marker received
+        self.consumed = GroupCounter()  # groups trained (any sample), dropped at scoring or filtered
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -330,15 +329,17 @@ class RolloutWorker:
         from grpo.rollout_loop import ConsumedGroup
 
         if isinstance(item, ConsumedGroup):
-            self._consume(item.group_id)
+            self.delivered.add(item.group_id)
+            self.consumed.add(item.group_id)
             return None
         with self.shared["queued_tokens"].get_lock():
             self.shared["queued_tokens"].value -= len(item)
         staleness = self.model_version - item.model_version
         if staleness > self.config.max_staleness:
+            self.delivered.add(item.group_id)  # handed over (and lost), but not consumed: it holds the resume point
             self._trainer_metrics.append(("sample/dropped_stale_count", 1))
             return None
-        self._consume(item.group_id)
+        self.delivered.add(item.group_id)
         self._trainer_metrics += [("sample/time_in_queue_s", time.monotonic() - item.queued_at),
                                   ("sample/staleness_mean", staleness), ("sample/staleness_max", staleness),
                                   ("rollout/queue_size", self._qsize())]
@@ -350,15 +351,15 @@ class RolloutWorker:
         except NotImplementedError:  # macOS
             return float("nan")
 
-    def _consume(self, group_id: int) -> None:
-        """A group counts once, when its first sample is pulled or its drop/filter marker arrives."""
-        if group_id < self._low_water or group_id in self._consumed:
-            return
-        self._consumed.add(group_id)
-        self.consumed_groups += 1
-        while self._low_water in self._consumed:
-            self._consumed.discard(self._low_water)
-            self._low_water += 1
+    def mark_trained(self, group_ids) -> None:
+        """Called by the trainer after an optimizer step: these groups are consumed. Pulling a sample is not
+        enough, since samples waiting in the batcher die with the run (the resume point is the trained one)."""
+        for group_id in group_ids:
+            self.consumed.add(group_id)
+
+    @property
+    def consumed_groups(self) -> int:
+        return self.consumed.count
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         """Everything the worker and `get` pushed since the last call."""
@@ -371,4 +372,22 @@ class RolloutWorker:
 
     def state_dict(self) -> dict[str, int]:
         """`rollout_state.json`: first prompt not yet consumed (low-water mark) and the model version."""
-        return {"prompt_index": self.spec.dataset_start_index + self._low_water, "model_version": self.model_version}
+        return {"prompt_index": self.spec.dataset_start_index + self.consumed.low_water,
+                "model_version": self.model_version}
+
+
+class GroupCounter:
+    """Distinct group ids seen, and the low-water mark: the first id not yet seen (ids below it are all seen)."""
+
+    def __init__(self):
+        self.count, self.low_water = 0, 0
+        self._above: set[int] = set()
+
+    def add(self, group_id: int) -> None:
+        if group_id < self.low_water or group_id in self._above:
+            return
+        self._above.add(group_id)
+        self.count += 1
+        while self.low_water in self._above:
+            self._above.discard(self.low_water)
+            self.low_water += 1

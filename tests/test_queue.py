@@ -87,7 +87,10 @@ def test_queue_drops_exactly_the_over_stale_samples(tiny_qwen3):
     out = w.reduce()
     assert out["sample/dropped_stale_count"] == 2
     assert out["sample/staleness_max"] == 4 and out["sample/staleness_mean"] == 2.0
-    # consumption: groups 0, 1 were stale (not consumed) so the resume low-water mark stays at 0
+    # pulled is not consumed: only trained groups (and drop/filter markers) move the resume point
+    assert worker.delivered.count == 7 and worker.consumed_groups == 0
+    worker.mark_trained(s.group_id for s in accepted)
+    # groups 0, 1 were stale (never trained) so the resume low-water mark stays at 0
     assert worker.consumed_groups == 5 and worker.state_dict() == {"prompt_index": 0, "model_version": 6}
     worker._accept(ConsumedGroup(0, "dropped"))
     worker._accept(ConsumedGroup(1, "filtered"))
@@ -170,7 +173,11 @@ def test_worker_streams_scored_samples(vllm_server, tiny_qwen3):
         for name in ("reward", "frac_reward_zero_std", "completions/mean_length", "rollout/concurrency_cap",
                      "rollout/vllm_kv_cache_usage_frac", "perf/rollout_wait_s", "sample/staleness_max"):
             assert name in out, name
-        assert worker.consumed_groups >= 1 and worker.state_dict()["prompt_index"] >= 1
+        assert worker.delivered.count >= 1
+        trained_ids = {s.group_id for s in got}
+        assert not trained_ids & set(range(worker.consumed.low_water))  # pulled samples do not count as trained
+        worker.mark_trained(trained_ids)
+        assert worker.consumed_groups >= len(trained_ids) and worker.state_dict()["prompt_index"] >= 1
     finally:
         start = time.monotonic()
         worker.stop()
