@@ -102,14 +102,14 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
 def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | None:
     """Rank 0: pull samples into the batcher until it closes a micro-batch. None when the epochs are consumed."""
     while True:
-        if stop_groups is not None and worker.delivered.count >= stop_groups:  # the epochs are all delivered
+        if stop_groups is not None and worker.delivered.low_water >= stop_groups:  # every group of the epochs
             rows = batcher.flush()
             if rows is None:
                 return None
             break
         sample = worker.get(timeout=1.0)
-        if sample is None:
-            continue
+        if sample is None or (stop_groups is not None and sample.group_id >= stop_groups):
+            continue  # groups past the last epoch are generated while the run winds down, never trained
         rows = batcher.add(sample)
         if rows is not None:
             break

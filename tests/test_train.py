@@ -234,3 +234,21 @@ def test_moe_load_balancing_loss_is_added(tiny_models):
     lm_head = model.get_output_embeddings().weight.grad
     assert gate_grads and all(g is not None and g.abs().sum() > 0 for g in gate_grads)
     assert lm_head is None or lm_head.abs().sum() == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_epoch_stop_trains_every_prompt_once(train_server, tmp_path):
+    """Without max_steps the run stops by itself after num_train_epochs passes over the prompts, each prompt
+    trained at most once per pass (dropped groups are consumed without training)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Write {w} words."}]}) + "\n"
+                            for w in ("two", "three", "four", "five", "six")))
+    out = tmp_path / "run"
+    cmd = _train_cmd(train_server.base_url, out, "--num-train-epochs", "2", "--save-strategy", "no")
+    cmd[cmd.index("builtin:letters")] = str(data)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    trained = [p for line in (out / "trained_prompts.jsonl").read_text().splitlines()
+               for p in json.loads(line)["prompts"]]
+    assert trained and len(trained) == len(set(trained)) and set(trained) <= set(range(10))
