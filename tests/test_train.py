@@ -252,3 +252,19 @@ def test_epoch_stop_trains_every_prompt_once(train_server, tmp_path):
     trained = [p for line in (out / "trained_prompts.jsonl").read_text().splitlines()
                for p in json.loads(line)["prompts"]]
     assert trained and len(trained) == len(set(trained)) and set(trained) <= set(range(10))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_python_api_with_custom_reward_dataset_and_loop(train_server, tmp_path):
+    """`train.main(config, reward_funcs=[fn], train_dataset=rows, loop_cls=Subclass)` with a config subclass
+    carrying an extra field read by the loop (the spec's curriculum example)."""
+    out = tmp_path / "run"
+    proc = subprocess.run([PY, str(REPO / "tests" / "api_example.py"), train_server.base_url,
+                           str(REPO / ".tiny" / "qwen3"), str(out)], capture_output=True, text=True, timeout=900,
+                          cwd=REPO, env=os.environ | {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(proc.stdout.split("RESULT ")[-1].splitlines()[0])
+    assert result["step"] == 3
+    rows = _metrics(out)
+    assert any(r.get("rewards/short_reward/mean") is not None for r in rows)
