@@ -14,8 +14,8 @@ from grpo.rollout_loop import AsyncRolloutLoop
 
 
 def short_reward(completion_ids, **kwargs):
-    """Longer completions score lower: the policy learns to stop early."""
-    return [1.0 - len(ids) / 8 for ids in completion_ids]
+    """Odd first token scores 1 (a coin flip for a random policy, so groups carry signal from the start)."""
+    return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
 
 
 @dataclass
