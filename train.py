@@ -224,7 +224,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     sync.sync(model, version)  # cold sync: the first rollouts already come from this policy
 
     worker = stop_groups = None
-    logger = MetricsLogger(config.output_dir, enabled=info.is_main)
+    logger = MetricsLogger(config.output_dir, enabled=info.is_main,
+                           total_steps=config.max_steps if config.max_steps > 0 else None)
     if info.is_main:
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,

@@ -95,8 +95,12 @@ _CONSOLE_KEYS = ("loss", "reward", "reward_kept", "frac_reward_zero_std", "compl
                  "sample/staleness_mean", "rollout/generated_tokens_per_s", "perf/step_s", "perf/rollout_wait_s")
 
 
-def console_line(step: int, metrics: dict[str, float]) -> str:
-    parts = [f"step {step}"]
+def console_line(step: int, metrics: dict[str, float], total_steps: int | None = None) -> str:
+    if total_steps:
+        done = min(step / total_steps, 1.0)
+        parts = [f"step {step}/{total_steps} [{'#' * round(20 * done):<20}]"]
+    else:
+        parts = [f"step {step}"]
     for key in _CONSOLE_KEYS:
         if key in metrics:
             parts.append(f"{key.rsplit('/', 1)[-1]} {metrics[key]:.4g}")
@@ -106,8 +110,9 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
 class MetricsLogger:
     """TensorBoard scalars + `metrics.jsonl` + a console line per log. Disabled (non-zero ranks) = no-op."""
 
-    def __init__(self, output_dir: str | Path, enabled: bool = True, console: bool = True):
-        self.enabled, self.console = enabled, console
+    def __init__(self, output_dir: str | Path, enabled: bool = True, console: bool = True,
+                 total_steps: int | None = None):
+        self.enabled, self.console, self.total_steps = enabled, console, total_steps
         self.output_dir = Path(output_dir)
         self._writer = None
         self._jsonl = None
@@ -128,7 +133,7 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self.console:
-            print(console_line(step, metrics), flush=True)
+            print(console_line(step, metrics, self.total_steps), flush=True)
 
     def close(self) -> None:
         if self._writer is not None:
