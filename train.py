@@ -295,7 +295,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
 
 
 def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics, model_config, peak) -> dict:
-    """Per-step metrics with the spec's names (batch/*, sample/*, perf/*), summed over ranks where they are counts."""
+    """Per-step metrics with the spec's names (batch/*, sample/*, perf/*), summed over ranks where they are counts;
+    loss and sampling metrics over every rank's micro-batches (mean, or the extreme for max/min names)."""
     import numpy as np
 
     from grpo.distributed import all_reduce_sum
@@ -326,6 +327,12 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
         out |= {k: v for k, v in p.stats.items() if not k.endswith("_count")}
     out["batch/dropped_oversize_count"] = sum(p.stats.get("batch/dropped_oversize_count", 0) for p in plans)
     losses = [{k: v for k, v in m.items() if not k.startswith("_") and not k.startswith("perf/")} for m in micro]
+    if info.world_size > 1:  # every rank's micro-batches, so loss/sampling metrics describe the whole step
+        import torch.distributed as dist
+
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, losses)
+        losses = [m for rank_losses in gathered for m in rank_losses]
     for key in {k for m in losses for k in m}:
         values = [m[key] for m in losses if key in m]
         out[key] = max(values) if "max" in key.rsplit("/", 1)[-1] else (
