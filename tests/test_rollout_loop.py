@@ -9,11 +9,11 @@ import multiprocessing
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from api_example import CurriculumConfig, CurriculumRolloutLoop  # the spec's curriculum example, as written
 from grpo.config import AsyncGRPOConfig
 from grpo.metrics import MetricsWindow
 from grpo.rollout_loop import AsyncRolloutLoop, ConsumedGroup
@@ -179,27 +179,6 @@ def test_groups_reproduce_under_the_tiny_model(vllm_server, tiny_qwen3, tokenize
     kept_ids = {g.group_id for g, kept in groups if kept}
     assert {s.group_id for s in published if not isinstance(s, ConsumedGroup)} == kept_ids
     assert {s.group_id for s in published if isinstance(s, ConsumedGroup)} == {g.group_id for g, k in groups} - kept_ids
-
-
-@dataclass
-class CurriculumConfig(AsyncGRPOConfig):
-    pass_rate_cap: float = 0.9
-
-
-class CurriculumRolloutLoop(AsyncRolloutLoop):
-    """The spec's curriculum example, as written."""
-
-    def filter_prompt(self, row_index, row, epoch):
-        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
-
-    async def setup(self):
-        self.pass_rates = {}
-
-    def compute_advantages(self, group):
-        scored = group.rewards[~np.isnan(group.rewards)]
-        if len(scored):
-            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
-        return super().compute_advantages(group)
 
 
 def always_pass_on_row0(completion_ids, row_id, **kwargs):
