@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from grpo.config import AsyncGRPOConfig
+from grpo.config import DEFAULT_DATASET, AsyncGRPOConfig
 
 log = logging.getLogger("train")
 
@@ -47,10 +47,12 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
         environment_factory = resolve_import(config.environment_factory)
     if loop_cls is None and config.loop_cls:
         loop_cls = resolve_import(config.loop_cls)
-    if train_dataset is None and not (environment_factory and config.max_steps > 0 and not config.dataset):
+    dataset_name = config.dataset if config.dataset is not None else (
+        None if environment_factory else DEFAULT_DATASET)
+    if train_dataset is None and dataset_name is not None:
         from grpo.data import load_prompts
 
-        train_dataset = load_prompts(config.dataset, config.dataset_split)
+        train_dataset = load_prompts(dataset_name, config.dataset_split)
     if train_dataset is None and config.max_steps <= 0:
         raise ValueError("without a dataset the environment owns the data: set --max-steps to bound the run")
     return list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls

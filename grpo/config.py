@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+DEFAULT_DATASET = "trl-lib/DeepMath-103K"
+
 
 @dataclass
 class AsyncGRPOConfig:
@@ -32,8 +34,10 @@ class AsyncGRPOConfig:
     """bf16 autocast for forward/backward; None = on when CUDA is available."""
 
     # ---- data --------------------------------------------------------------------------------------------------
-    dataset: str = "trl-lib/DeepMath-103K"
-    """Hub dataset name or local json/jsonl/parquet path; `builtin:<task>` for the built-in synthetic tasks."""
+    dataset: str | None = None
+    """Hub dataset name or local json/jsonl/parquet path; `builtin:<task>` for the built-in synthetic tasks.
+    None = trl-lib/DeepMath-103K (the spec's quick start), or no dataset at all when an environment_factory is
+    given: the environment owns the data (its reset() returns the prompt) and max_steps bounds the run."""
     dataset_split: str = "train"
     """Split to train on."""
     reward_funcs: tuple[str, ...] = ("accuracy",)

@@ -268,3 +268,36 @@ def test_python_api_with_custom_reward_dataset_and_loop(train_server, tmp_path):
     assert result["step"] == 3
     rows = _metrics(out)
     assert any(r.get("rewards/short_reward/mean") is not None for r in rows)
+
+
+class CounterEnv:
+    """Owns its data: reset() returns the prompt."""
+
+    def reset(self, **kwargs) -> str:
+        self.counter = 0
+        return "Increment the counter by 2."
+
+    def get_reward(self) -> float:
+        return float(self.counter == 2)
+
+    def increment(self, step: int) -> int:
+        """Increment the counter.
+
+        Args:
+            step: Value to add.
+        """
+        self.counter += step
+        return self.counter
+
+
+def test_inputs_resolution_environment_owns_the_data():
+    from grpo.config import AsyncGRPOConfig
+    from train import resolve_inputs
+
+    funcs, dataset, tools, env, loop = resolve_inputs(AsyncGRPOConfig(max_steps=5), [], None, None, CounterEnv, None)
+    assert dataset is None and env is CounterEnv and funcs == [] and tools == [] and loop is None
+    with pytest.raises(ValueError, match="max-steps"):
+        resolve_inputs(AsyncGRPOConfig(), [], None, None, CounterEnv, None)
+    _, rows, _, _, _ = resolve_inputs(AsyncGRPOConfig(dataset="builtin:letters", reward_funcs=("letters",)),
+                                      None, None, None, None, None)
+    assert len(rows) > 0 and rows[0]["prompt"][0]["role"] == "user"
