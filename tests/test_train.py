@@ -135,6 +135,10 @@ def test_train_end_to_end_weights_reach_server(train_server, tiny_qwen3, tmp_pat
     ids = [1, 77, 300, 12, 500, 42, 2, 1, 9, 600]
     model_name = str(tiny_qwen3)
     before = _prompt_logprobs(train_server.base_url, model_name, ids)
+    import httpx
+
+    # as a trainer killed mid-sync would leave it: the next run must resume the server, not wait forever
+    httpx.post(f"{train_server.base_url}/pause?mode=keep", timeout=60).raise_for_status()
     proc = subprocess.run(_train_cmd(train_server.base_url, out, "--max-steps", "4", "--save-steps", "2"),
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
