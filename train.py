@@ -86,8 +86,7 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
     control = VLLMControl(config.vllm_server_base_url, timeout=config.vllm_server_timeout)
     control.wait_ready()
     if control.is_paused():  # a previous trainer died between pause and resume; the cold sync rewrites every weight
-        log.warning("the vLLM server was left paused (a previous run stopped mid-sync?): resuming it")
-        control.resume()
+        log.warning("the vLLM server was left paused (a previous run stopped mid-sync?); the cold sync resumes it")
     info = control.server_info()
     model_cfg = info.get("vllm_config", {}).get("model_config", {})
     dtype = str(model_cfg.get("dtype", "")).replace("torch.", "")

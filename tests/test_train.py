@@ -137,7 +137,7 @@ def test_train_end_to_end_weights_reach_server(train_server, tiny_qwen3, tmp_pat
     before = _prompt_logprobs(train_server.base_url, model_name, ids)
     import httpx
 
-    # as a trainer killed mid-sync would leave it: the next run must resume the server, not wait forever
+    # as a trainer killed mid-sync would leave it: the next run's cold sync (pause ... resume) must bring it back
     httpx.post(f"{train_server.base_url}/pause?mode=keep", timeout=60).raise_for_status()
     proc = subprocess.run(_train_cmd(train_server.base_url, out, "--max-steps", "4", "--save-steps", "2"),
                           capture_output=True, text=True, timeout=900, cwd=REPO)
