@@ -2,13 +2,14 @@
 
 A checkpoint directory `checkpoint-<step>` holds the model in Hugging Face format (safetensors, loadable with
 `from_pretrained`), the tokenizer, `optimizer.pt` + `scheduler.pt` (full, unsharded state), `rng_rank<r>.pt`, and
-`rollout_state.json` = {"prompt_index": first prompt not yet consumed (a low-water mark), "model_version": v,
-"step": step, "consumed": [...]}. Everything is written into `checkpoint-<step>.tmp` and renamed at the end, so a
-kill during a save never leaves a directory that looks complete; leftovers of an interrupted save are removed by
-the next one.
+`rollout_state.json` = {"prompt_index": first prompt not yet consumed (a low-water mark over trained, dropped and
+filtered groups), "model_version": v, "step": step}. Everything is written into `checkpoint-<step>.tmp` and renamed
+at the end, so a kill during a save never leaves a directory that looks complete; leftovers of an interrupted save
+are removed by the next one.
 
-Departure from the reference trainer: we also persist the set of consumed prompt positions above the low-water
-mark, so prompts trained after a stale-dropped one are not trained twice after a resume (TRL PR #5911 review).
+As in the reference trainer, groups consumed above the low-water mark (trained while an earlier group was still
+in flight or dropped as stale) are generated and trained again after a resume; `trained_prompts.jsonl` in the
+output dir shows which.
 """
 
 from __future__ import annotations
