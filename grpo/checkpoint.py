@@ -107,7 +107,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
     model_sd = {}
     for f in sorted(path.glob("*.safetensors")):
         model_sd |= load_file(f)
-    model_sd = _to_model_names(model, model_sd)
+    model_sd = _to_model_names(model, model_sd, path)
     optim_sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False, strict=False)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
@@ -122,14 +122,20 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def _to_model_names(model, state: dict) -> dict:
-    """save_pretrained may rename keys (checkpoint conversion); map them back by matching the model's names."""
+def _to_model_names(model, state: dict, path: Path) -> dict:
+    """save_pretrained reverts transformers' in-memory weight layout (e.g. fused MoE experts) to checkpoint names;
+    when the names differ, load the checkpoint the way from_pretrained does and take its converted state."""
     names = set(unwrap(model).state_dict().keys())
     if set(state) <= names:
         return state
-    missing = names - set(state)
-    raise KeyError(f"checkpoint keys do not match the model ({len(missing)} missing, e.g. {sorted(missing)[:3]}); "
-                   "was it saved from a different architecture?")
+    from grpo.model import load_policy
+
+    converted = load_policy(str(path), "float32", gradient_checkpointing=False).state_dict()
+    missing = names - set(converted)
+    if missing:
+        raise KeyError(f"checkpoint {path} does not match the model ({len(missing)} weights missing, e.g. "
+                       f"{sorted(missing)[:3]}); was it saved from a different architecture?")
+    return converted
 
 
 def _rng_state() -> dict:
