@@ -42,6 +42,7 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
     import contextlib
 
     from grpo.distributed import init_distributed, shard_model
+    from grpo.gdn import patch_gdn_layers
     from grpo.losses import LossConfig, get_loss
     from grpo.model import load_policy
     from grpo.policy import PackedPolicy
@@ -51,12 +52,15 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     info = init_distributed()
     model = load_policy(tiny, gradient_checkpointing=False)
+    patch_gdn_layers(model)
     policy = shard_model(PackedPolicy(model, "sdpa", temperature=1.0), info, mixed_precision=False)
     plan = StepPlan(rows, trained)
     metrics = train_micro_batch(policy, rows[info.rank], plan, get_loss("clipped_surrogate"), LossConfig(),
                                 world, 1, contextlib.nullcontext)
     grads = {}
     for name, p in policy.named_parameters():
+        if not p.requires_grad:
+            continue
         g = p.grad
         grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     if info.rank == 0:
@@ -70,9 +74,11 @@ def _spawned(rank, world, rows, trained, tiny, out, port):
     _grads_after_one_micro_batch(rank, world, rows, trained, tiny, out)
 
 
-def test_two_fsdp_ranks_match_one_process(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_two_fsdp_ranks_match_one_process(tiny_models, tmp_path, kind):
     """Rows split over 2 gloo ranks (FSDP2 on CPU) give the gradient of one process training all of them:
-    each rank normalises by N_glob / W and FSDP averages over W (algorithms.md 6.4)."""
+    each rank normalises by N_glob / W and FSDP averages over W (algorithms.md 6.4). Also for the Qwen3.5 VLM
+    checkpoint (Gated DeltaNet layers, frozen vision tower)."""
     import torch.multiprocessing as mp
 
     from grpo.vllm_server import free_port
@@ -80,8 +86,9 @@ def test_two_fsdp_ranks_match_one_process(tiny_qwen3, tmp_path):
     samples = random_samples(0)
     rows = [[s for s in samples if s.group_id % 2 == r] for r in range(2)]
     trained = sum(s.num_trained for s in samples)
-    _grads_after_one_micro_batch(0, 1, [samples], trained, str(tiny_qwen3), str(tmp_path / "one.pt"))
-    mp.spawn(_spawned, args=(2, rows, trained, str(tiny_qwen3), str(tmp_path / "two.pt"), free_port()), nprocs=2)
+    model_dir = str(tiny_models[kind])
+    _grads_after_one_micro_batch(0, 1, [samples], trained, model_dir, str(tmp_path / "one.pt"))
+    mp.spawn(_spawned, args=(2, rows, trained, model_dir, str(tmp_path / "two.pt"), free_port()), nprocs=2)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one["grads"].keys() == two["grads"].keys()
     for name, g in one["grads"].items():
