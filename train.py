@@ -25,15 +25,20 @@ class StepPlan:
     """What rank 0 decided for one micro-batch, broadcast to every rank."""
 
     rows: list  # one list[TrainingSample] per rank
-    trained_tokens: int  # loss terms over all rows (the normaliser N_glob)
+    trained_tokens: int  # loss terms over all rows (the `token` normaliser)
     stats: dict = field(default_factory=dict)  # batch/* metrics of this micro-batch
+
+    @property
+    def trained_sequences(self) -> int:
+        """Samples with at least one loss term over all rows (the `sequence` / `constant` normalisers)."""
+        return sum(1 for row in self.rows for s in row if s.num_trained > 0)
 
 
 # ------------------------------------------------------------------------------------------ building the pieces
 
 def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls):
     """CLI names / import paths -> objects, for everything the Python caller did not pass."""
-    from grpo.queue import resolve_import
+    from grpo.imports import resolve_import
 
     if reward_funcs is None:
         from grpo.rewards import resolve_reward
@@ -123,12 +128,11 @@ def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | Non
     return StepPlan(rows, sum(s.num_trained for row in rows for s in row), stats)
 
 
-def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_cfg, world: int, grad_accum: int,
-                      autocast) -> dict:
-    """Pack this rank's samples, forward/backward, return the loss metrics. The normaliser is global (6.4)."""
+def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
+                      autocast, max_completion_length: int = 1) -> dict:
+    """Pack this rank's samples, forward/backward, return the loss metrics. The normaliser is global over ranks."""
     import torch
 
-    from grpo.losses import LossInputs, normalized_loss
     from grpo.trie import pack_samples
 
     device = next(policy.parameters()).device
@@ -141,13 +145,10 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_cfg, world:
     if row.num_loss_terms == 0:  # a zero-weight dummy row: forward/backward anyway to keep FSDP collectives aligned
         loss = out.policy_logprobs.sum() * 0.0
     else:
-        inputs = LossInputs(out.policy_logprobs.float(), row.sampler_logprobs, row.advantages, row.sample_id,
-                            None if out.policy_top_logprobs is None else out.policy_top_logprobs.float(),
-                            row.sampler_top_logprobs)
-        per_token, metrics = loss_fn(inputs, loss_cfg)
-        loss = normalized_loss(per_token, plan.trained_tokens, world, grad_accum)
+        loss, metrics = normalized_row_loss(out, row, samples, plan, loss_fn, loss_options, world, grad_accum,
+                                            max_completion_length)
         metrics = {k: float(v) for k, v in metrics.items()} | {"entropy": float(out.entropy.mean())}
-    if out.aux_loss is not None:  # router_aux_loss_coef x aux_loss / GA (algorithms.md 6.3)
+    if out.aux_loss is not None:  # router_aux_loss_coef x aux_loss / GA (docs/losses.md)
         loss = loss + policy_module(policy).aux_coef * out.aux_loss / grad_accum
         metrics["aux_loss"] = float(out.aux_loss.detach())
     loss.backward()
@@ -155,6 +156,34 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_cfg, world:
                 "perf/fwd_bwd_s": _sync_time(t0, device), "_forwarded": row.num_tokens,
                 "_attn_len": row.num_tokens / max(row.num_samples, 1)}
     return metrics
+
+
+# ==================================== LOSS REGION: what a loss sees and how its terms are normalised ===============
+def normalized_row_loss(out, row, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
+                        max_completion_length: int):
+    """(this rank's share of the micro-batch loss, loss metrics): build LossInputs, call the loss, normalise.
+
+    The loss sees the row's sequence/group structure and the micro-batch's global counts; `normalized_loss`
+    divides by the count its normaliser names (tokens, sequences, sequences x max_completion_length) over W ranks
+    and GA steps, so FSDP's gradient mean and the accumulation sum give the step's loss (docs/losses.md).
+    """
+    import torch
+
+    from grpo.losses import LossInputs, normalized_loss
+
+    device = row.sample_id.device
+    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long, device=device)  # [S]
+    inputs = LossInputs(
+        policy_logprobs=out.policy_logprobs.float(), sampler_logprobs=row.sampler_logprobs,
+        advantages=row.advantages, sequence_index=row.sample_id, group_index=group_of_sample[row.sample_id],
+        sequence_lengths=torch.bincount(row.sample_id, minlength=len(samples)),
+        num_tokens_global=plan.trained_tokens, num_sequences_global=plan.trained_sequences,
+        max_completion_length=max_completion_length,
+        policy_top_logprobs=None if out.policy_top_logprobs is None else out.policy_top_logprobs.float(),
+        sampler_top_logprobs=row.sampler_top_logprobs)
+    result = loss_fn(inputs, loss_options)
+    return normalized_loss(result, inputs, world, grad_accum), result.metrics
+# ==================================== END LOSS REGION ================================================================
 
 
 def policy_module(policy):
@@ -182,7 +211,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.distributed import barrier, broadcast_object, init_distributed, shard_model
     from grpo.flops import device_peak_flops
     from grpo.gdn import patch_gdn_layers
-    from grpo.losses import LossConfig, get_loss
+    from grpo.losses import loss_function
     from grpo.metrics import MetricsLogger
     from grpo.model import aux_loss_coef, load_policy, load_tokenizer, trainable_parameters
     from grpo.policy import PackedPolicy
@@ -211,7 +240,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
-    loss_fn, loss_cfg = get_loss(config.loss_name), LossConfig.from_run_config(config)
+    loss_fn = loss_function(config.loss)
 
     resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
     state = {"prompt_index": 0, "model_version": 0, "step": 0}
@@ -257,8 +286,9 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                      for _ in range(config.gradient_accumulation_steps)]
             if any(p is None for p in plans):
                 break
-            micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, loss_cfg, info.world_size,
-                                       config.gradient_accumulation_steps, autocast) for p in plans]
+            micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, config.loss, info.world_size,
+                                       config.gradient_accumulation_steps, autocast, config.max_completion_length)
+                     for p in plans]
             t_opt = time.perf_counter()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(policy), config.max_grad_norm or 1e30)
             optimizer.step()

@@ -11,7 +11,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from grpo.advantages import ESTIMATORS
+from grpo.losses import loss_cli_union, sampler_needs
+from grpo.score_centering import ScoreCenteringOptions
+
 DEFAULT_DATASET = "trl-lib/DeepMath-103K"
+LossOptions = loss_cli_union()
+"""Union of the registered losses' options classes, one tyro subcommand `loss:NAME` per registered loss."""
+AdvantageEstimator = Literal[tuple(ESTIMATORS)]  # the registered estimator names (built after the loss modules)
 
 
 @dataclass
@@ -77,21 +84,20 @@ class AsyncGRPOConfig:
     weight_transfer: Literal["auto", "nccl", "cpu_file"] = "auto"
     """How weights reach the server: NCCL (GPU) or this project's CPU plugin backend; auto = by device."""
 
-    # ---- loss ----------------------------------------------------------------------------------------------------
-    loss: str | None = None
-    """Loss by registry name or import path; None = `score_centering` if score_centering else `clipped_surrogate`."""
-    score_centering: bool = True
-    """Score centering (default) instead of the clipped GRPO surrogate."""
-    epsilon: float = 0.2
-    """Lower clip range of the surrogate (also the trust region the clip_ratio metrics count)."""
-    epsilon_high: float | None = None
-    """Upper clip range; None = epsilon (DAPO recommends 0.28)."""
-    vllm_importance_sampling_clip_min: float = 0.5
-    """Tokens whose trainer/sampler ratio is below this leave the loss (masked importance sampling)."""
-    vllm_importance_sampling_clip_max: float = 5.0
-    """Tokens whose ratio is above this leave the loss."""
-    num_sampler_logprobs: int = 8
-    """Top sampler logprobs requested per token, the support of the score-centering expectation."""
+    # ---- loss & advantages (grpo/losses.py, grpo/advantages.py, docs/losses.md) -------------------------------
+    loss: LossOptions = field(default_factory=ScoreCenteringOptions)
+    """The loss and its options: `loss:NAME --loss.OPTION VALUE` (one subcommand per registered loss; default
+    score centering). Each option's meaning is in `train.py loss:NAME --help`."""
+    advantage_estimator: AdvantageEstimator = "group_std"
+    """Advantage of a rollout from its group's rewards: group_std (GRPO), no_std (Dr. GRPO), rloo."""
+    drop_equal_reward_groups: bool = True
+    """Drop groups whose scorable rewards are all equal (zero advantage; the spec's rule, DAPO's dynamic sampling).
+    False trains them too: they add no gradient but count in the token/sequence normalisers."""
+    overlong_buffer_length: int = 0
+    """DAPO soft overlong punishment: completions longer than max_completion_length - this get a reward penalty
+    growing linearly to -overlong_penalty_factor at max_completion_length (0 = off); applied to advantages only."""
+    overlong_penalty_factor: float = 1.0
+    """Maximum overlong penalty."""
 
     # ---- batching & optimisation -----------------------------------------------------------------------------------
     token_budget: int | None = None
@@ -149,14 +155,9 @@ class AsyncGRPOConfig:
     """How many completions to print; None = one group."""
 
     @property
-    def epsilon_high_value(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def loss_name(self) -> str:
-        if self.loss is not None:
-            return self.loss
-        return "score_centering" if self.score_centering else "clipped_surrogate"
+    def num_sampler_logprobs(self) -> int:
+        """Top-k sampler logprobs per token the loss declared it needs (0 = none)."""
+        return sampler_needs(self.loss).top_logprobs
 
     @property
     def uses_truncated_sampling(self) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo.config import AsyncGRPOConfig
+from grpo.imports import resolve_import
 
 # ---- flow control (runs inside the worker's event loop) ------------------------------------------------------
 
@@ -142,19 +143,6 @@ def check_picklable(reward_funcs=(), tools=(), environment_factory=None, loop_cl
                 f"{kind} {name!r} cannot be pickled for the rollout worker process ({type(exc).__name__}: {exc}). "
                 f"Define it at module level, or wrap it with functools.partial, or use an instance of a callable "
                 f"class; lambdas and closures cannot cross into the spawned process.") from exc
-
-
-def resolve_import(path: str) -> Any:
-    """`pkg.module:Name` -> the object."""
-    import importlib
-
-    module, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"import path {path!r} must look like 'pkg.module:Name'")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 # ---- the worker process ------------------------------------------------------------------------------------------

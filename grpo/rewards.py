@@ -9,10 +9,11 @@ main thread).
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from typing import Any
+
+from grpo.imports import resolve_import
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -90,15 +91,10 @@ def resolve_reward(name_or_import_path: str) -> RewardFunc:
     """A registry name (`accuracy`) or an import path (`my_pkg.rewards:my_func`) -> the callable."""
     if name_or_import_path in REWARDS:
         return REWARDS[name_or_import_path]
-    module_name, sep, attribute = name_or_import_path.partition(":")
-    if not sep or not module_name or not attribute:
+    if ":" not in name_or_import_path:
         raise ValueError(f"unknown reward {name_or_import_path!r}: use one of {sorted(REWARDS)} or an import path "
                          f"'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import reward module {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
-    func = getattr(module, attribute, None)
+    func = resolve_import(name_or_import_path, "reward")
     if not callable(func):
-        raise ValueError(f"{name_or_import_path!r}: module {module_name!r} has no callable {attribute!r}")
+        raise ValueError(f"reward {name_or_import_path!r} is not callable")
     return func

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo.advantages import estimate_advantages
 from grpo.config import AsyncGRPOConfig
 from grpo.multiturn import FoldStats, fold_turns, parse_tool_calls
 from grpo.queue import ConcurrencyCap, TokenAllowance
@@ -102,7 +103,7 @@ class AsyncRolloutLoop:
         cfg = self.config
         version = _model_version.get()
         adapter = f"{self.lora_name}-v{version}" if self.lora_name and version > 0 else None
-        num_logprobs = cfg.num_sampler_logprobs if cfg.loss_name == "score_centering" else 0
+        num_logprobs = cfg.num_sampler_logprobs  # what the loss declared it needs (SamplerNeeds)
         turn = await self.client.generate(
             prompt_ids, max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, num_logprobs=num_logprobs,
@@ -154,14 +155,11 @@ class AsyncRolloutLoop:
                        tool_failure_count=failures)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """Group-standardised reward, population std + 1e-8; NaN rewards get 0 and leave the mean and std."""
-        rewards = np.asarray(group.rewards, dtype=np.float64)
-        advantages = np.zeros_like(rewards)
-        scored = ~np.isnan(rewards)
-        if scored.any():
-            mu, sigma = rewards[scored].mean(), rewards[scored].std()
-            advantages[scored] = (rewards[scored] - mu) / (sigma + 1e-8)
-        return advantages
+        """Advantages [G] by the configured estimator (grpo/advantages.py); NaN rewards get 0."""
+        cfg = self.config
+        lengths = np.array([len(r.completion_ids) for r in group.rollouts])
+        return estimate_advantages(cfg.advantage_estimator, group.rewards, lengths, cfg.max_completion_length,
+                                   cfg.overlong_buffer_length, cfg.overlong_penalty_factor)
 
     # ================================ tools and environments =================================================
 
@@ -307,7 +305,7 @@ class AsyncRolloutLoop:
             # compute_advantages runs for every group; the drop decision looks at rewards only (spec).
             advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
             samples = [s for seq in group.completions_sequences for s in seq]
-            kept = is_kept(group.rewards) and len(samples) > 0
+            kept = is_kept(group.rewards, self.config.drop_equal_reward_groups) and len(samples) > 0
             self._push("rollout/score_s", time.perf_counter() - start)
             self._metric_items += group_metrics(group, sources, kept, self.eos_token_ids)
             self.allowance.group_finished(sum(len(s) for s in samples))

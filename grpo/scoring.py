@@ -68,9 +68,13 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable]) -> dict
     return sources
 
 
-def is_kept(rewards: np.ndarray) -> bool:
-    """A group trains iff at least two rollouts are scorable and their rewards are not all equal (exact test)."""
+def is_kept(rewards: np.ndarray, drop_equal_rewards: bool = True) -> bool:
+    """A group trains iff at least two rollouts are scorable and their rewards are not all equal (exact test);
+    with `drop_equal_rewards=False` iff at least one rollout is scorable (equal-reward groups then train with
+    zero advantage, adding to the normalisers only)."""
     scored = rewards[~np.isnan(rewards)]
+    if not drop_equal_rewards:
+        return len(scored) >= 1
     return len(scored) >= 2 and bool(scored.max() != scored.min())
 
 

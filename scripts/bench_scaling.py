@@ -54,7 +54,7 @@ def run_rank(args) -> None:
 
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import broadcast_object, init_distributed, shard_model
-    from grpo.losses import LossConfig, get_loss
+    from grpo.losses import get_loss
     from grpo.policy import PackedPolicy
     from grpo.tree_attention import select_backend
     from train import StepPlan, train_micro_batch
@@ -70,7 +70,7 @@ def run_rank(args) -> None:
     policy = shard_model(PackedPolicy(model, select_backend("auto", info.device), 1.0), info, mixed_precision=cuda)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    loss_fn, loss_cfg = get_loss("clipped_surrogate"), LossConfig()
+    loss_fn, loss_cfg = get_loss("clipped_surrogate")
     batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
     source = synthetic_groups(0, vocab, args.group_size, args.prompt_len, args.completion_len)
 

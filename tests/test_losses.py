@@ -1,140 +1,135 @@
-"""grpo/losses.py: invariants every registered loss must satisfy, then exact checks of each loss and helper.
+"""Losses: the invariants of tests/loss_checks.py on every registered loss, a hand-computed case per loss, the
+score-centering estimator against exact expectations, the normaliser, the registry and the CLI.
 
-Distributions are tiny (V = 6) so expectations over the sampled token are exact sums, not Monte Carlo.
+Your own loss by import path gets the same invariants: `GRPO_LOSS_MODULES=my_pkg.my_losses pytest tests/test_losses.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from loss_checks import CHECKS, V, check_loss, make_inputs, structured_case
 
-from grpo.config import AsyncGRPOConfig
-from grpo.losses import (LOSSES, LossConfig, LossInputs, centering_residuals, entropy_metric, get_loss,
-                         normalized_loss, register_loss)
+from grpo.losses import (LOSS_MODULES_ENV, LOSSES, LossInputs, LossOutput, get_loss, normalized_loss,
+                         register_loss, registered_losses, sampler_needs)
+from grpo.score_centering import ScoreCenteringOptions, centering_residuals
 
-V = 6
-CFG = LossConfig(epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0)
-ALL_LOSSES = sorted(LOSSES)
-
-
-def _inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sample_id=None) -> LossInputs:
-    """LossInputs at M positions from full distributions: policy_logits [M, V] (leaf with grad), sampler [M, V]."""
-    policy_logp = torch.log_softmax(policy_logits, dim=-1)
-    sampler_logp = torch.log_softmax(sampler_logits, dim=-1)
-    m = policy_logits.shape[0]
-    return LossInputs(
-        policy_logprobs=policy_logp.gather(1, targets[:, None]).squeeze(1),
-        sampler_logprobs=sampler_logp.gather(1, targets[:, None]).squeeze(1),
-        advantages=advantages,
-        sample_id=torch.zeros(m, dtype=torch.long) if sample_id is None else sample_id,
-        policy_top_logprobs=policy_logp.gather(1, top_ids),
-        sampler_top_logprobs=sampler_logp.gather(1, top_ids),
-    )
+ALL_LOSSES = sorted(registered_losses())
+BAND = (0.5, 5.0)
 
 
-def _random_case(m: int = 8, k: int = 3, seed: int = 0, on_policy: bool = False):
-    gen = torch.Generator().manual_seed(seed)
-    sampler_logits = torch.randn(m, V, generator=gen, dtype=torch.float64)
-    noise = 0.0 if on_policy else 0.3 * torch.randn(m, V, generator=gen, dtype=torch.float64)
-    policy_logits = (sampler_logits + noise).requires_grad_()
-    targets = torch.multinomial(torch.softmax(sampler_logits, -1), 1, generator=gen).squeeze(1)
-    advantages = torch.randn(m, generator=gen, dtype=torch.float64)
-    top_ids = torch.topk(sampler_logits, k, dim=-1).indices
-    sample_id = torch.arange(m) // 3
-    return policy_logits, sampler_logits, targets, advantages, top_ids, sample_id
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_invariants(name, check):
+    check(name)
 
 
-def _logits_grad(loss_name, policy_logits, *rest, cfg=CFG):
-    per_token, metrics = get_loss(loss_name)(_inputs(policy_logits, *rest), cfg)
-    (grad,) = torch.autograd.grad(per_token.sum(), (policy_logits,))
-    return grad, per_token, metrics
+def test_families_are_registered():
+    want = {"score_centering", "clipped_surrogate", "grpo", "dapo", "dr_grpo", "gspo", "off_policy_masked", "gmpo",
+            "tis", "mis", "sequence_tis", "sequence_mis", "cispo"}
+    assert want <= set(ALL_LOSSES)
+    assert set(HAND_CASES) >= want, "every family needs a hand-computed case"
 
 
-# ---- invariants of every registered loss ----------------------------------------------------------------------
+# ---- one hand-computed case per loss ------------------------------------------------------------------------------
+# Two sequences, sampler log q = -1 everywhere, r = p / q per token:
+#   sequence 0 (A = +1): r = 1.5, 0.9        sequence 1 (A = -2): r = 0.6, 1.1, 6.0 (6.0 is outside the [0.5, 5] band)
+# Counts: 5 tokens, 2 sequences, max_completion_length 4; one rank, no accumulation. `grad` is d loss / d log p.
 
-@pytest.mark.parametrize("loss_name", ALL_LOSSES)
-def test_on_policy_is_the_plain_policy_gradient(loss_name):
-    policy_logits, sampler_logits, targets, advantages, top_ids, sample_id = _random_case(on_policy=True)
-    grad, _, metrics = _logits_grad(loss_name, policy_logits, sampler_logits, targets, advantages, top_ids, sample_id)
-    for name in ("min", "mean", "max"):
-        assert metrics[f"sampling/importance_sampling_ratio/{name}"].item() == pytest.approx(1.0, abs=1e-12)
-    assert metrics["sampling/masked_mean"].item() == 0.0
-    assert metrics["sampling/sampling_logp_difference/max"].item() == pytest.approx(0.0, abs=1e-12)
-    logp_y = torch.log_softmax(policy_logits, -1).gather(1, targets[:, None]).squeeze(1)
-    (reinforce,) = torch.autograd.grad(-(advantages * logp_y).sum(), (policy_logits,))
-    torch.testing.assert_close(grad, reinforce)
+RATIOS = (1.5, 0.9, 0.6, 1.1, 6.0)
+ADVANTAGES = (1.0, 1.0, -2.0, -2.0, -2.0)
+LOGP = tuple(-1.0 + math.log(r) for r in RATIOS)
 
 
-@pytest.mark.parametrize("loss_name", ALL_LOSSES)
-def test_masked_token_has_no_sampled_token_gradient(loss_name):
-    policy_logits, sampler_logits, targets, advantages, top_ids, sample_id = _random_case(seed=1)
-    inputs = _inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sample_id)
-    policy_logprobs = inputs.policy_logprobs.detach().clone().requires_grad_()
-    # Token 2 far above the band (r = 8), token 5 below it (r = 0.3); the others at r = 1.05 (inside the band and
-    # the trust region, so even a clipped loss has a gradient there).
-    with torch.no_grad():
-        policy_logprobs.copy_(inputs.sampler_logprobs + math.log(1.05))
-        policy_logprobs[2] = inputs.sampler_logprobs[2] + math.log(8.0)
-        policy_logprobs[5] = inputs.sampler_logprobs[5] + math.log(0.3)
-    inputs.policy_logprobs = policy_logprobs
-    per_token, metrics = get_loss(loss_name)(inputs, CFG)
-    (grad,) = torch.autograd.grad(per_token.sum(), (policy_logprobs,), allow_unused=True)
-    assert grad[2] == 0 and grad[5] == 0
-    assert (grad[[0, 1, 3, 4, 6, 7]] != 0).all()
-    assert metrics["sampling/masked_mean"].item() == pytest.approx(2 / 8)
-    assert metrics["sampling/importance_sampling_ratio/max"].item() == pytest.approx(8.0)
-    assert metrics["sampling/importance_sampling_ratio/min"].item() == pytest.approx(0.3)
+def _is_case(weights, normaliser=5.0):
+    """Importance-weighted REINFORCE by hand: loss = sum(-w A log p) / D, grad = -w A / D."""
+    value = sum(-w * a * lp for w, a, lp in zip(weights, ADVANTAGES, LOGP)) / normaliser
+    return value, [-w * a / normaliser for w, a in zip(weights, ADVANTAGES)]
 
 
-@pytest.mark.parametrize("loss_name", ALL_LOSSES)
-def test_sampler_minus_9999_is_minus_inf_and_never_nan(loss_name):
-    policy_logits, sampler_logits, targets, advantages, top_ids, sample_id = _random_case(seed=2)
-    inputs = _inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sample_id)
-    inputs.sampler_logprobs = inputs.sampler_logprobs.clone()
-    inputs.sampler_logprobs[0] = -9999.0  # the ratio overflows to inf: masked, no NaN gradient
-    top = inputs.sampler_top_logprobs.clone()
-    top[:, -1] = -9999.0
-    inputs.sampler_top_logprobs = top
-    per_token, metrics = get_loss(loss_name)(inputs, CFG)
-    (grad,) = torch.autograd.grad(per_token.sum(), (policy_logits,))
-    assert torch.isfinite(per_token).all() and torch.isfinite(grad).all()
-    assert metrics["sampling/masked_mean"].item() == pytest.approx(1 / 8)
+_S0, _S1 = math.sqrt(1.5 * 0.9), math.sqrt(0.6 * 1.1)  # GSPO sequence ratios (token 4 masked by the band)
+_G0 = math.exp((0.4 + math.log(0.9)) / 2)  # GMPO: log 1.5 = 0.405 clipped to 0.4 (A > 0)
+_G1 = math.exp((-0.4 + math.log(1.1)) / 2)  # log 0.6 = -0.51 clipped to -0.4 (A < 0), token 4 masked
+HAND_CASES = {
+    # clipped, eps 0.2: token terms -1.2 (clipped), -0.9, +1.6 (clipped), +2.2, 0 (masked)
+    "clipped_surrogate": ({}, (-1.2 - 0.9 + 1.6 + 2.2) / 5, [0, -0.9 / 5, 0, 2.2 / 5, 0]),
+    "grpo": ({}, ((-1.2 - 0.9) / 2 + (1.6 + 2.2) / 3) / 2, [0, -0.9 / 4, 0, 2.2 / 6, 0]),
+    "dapo": ({}, (-1.28 - 0.9 + 1.6 + 2.2) / 5, [0, -0.9 / 5, 0, 2.2 / 5, 0]),  # clip-higher: 1.5 -> 1.28
+    "dr_grpo": ({}, (-1.2 - 0.9 + 1.6 + 2.2) / (2 * 4), [0, -0.9 / 8, 0, 2.2 / 8, 0]),
+    # GSPO with eps = 0.2 (its 3e-4 would clip both sequences): s0 = 1.162, s1 = 0.812 inside [0.8, 1.2];
+    # d s / d log p_t = s / 2 per kept token, sequence mean then / 2 sequences.
+    "gspo": ({"epsilon": 0.2, "epsilon_high": 0.2}, (-_S0 + 2 * _S1) / 2, [-_S0 / 4, -_S0 / 4, _S1 / 2, _S1 / 2, 0]),
+    # sequence 1 has A < 0 and mean log(q/p) = -(log 0.6 + log 1.1) / 2 = 0.208 > 0.1: removed
+    "off_policy_masked": ({}, (-1.28 - 0.9) / 5, [0, -0.9 / 5, 0, 0, 0]),
+    "gmpo": ({}, (-_G0 + 2 * _G1) / 2, [0, -_G0 / 4, 0, _G1 / 2, 0]),
+    "tis": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 2.0))),  # truncated at 2
+    "mis": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 0.0))),  # 6.0 outside [0.5, 2]
+    "sequence_tis": ({}, *_is_case((1.35, 1.35, 2.0, 2.0, 2.0))),  # products 1.35 and 3.96 -> 2
+    "sequence_mis": ({}, *_is_case((1.35, 1.35, 0.0, 0.0, 0.0))),
+    "cispo": ({}, *_is_case((1.28, 0.9, 0.6, 1.1, 1.28))),
+    # K = 0 top logprobs: no centering term, masked IS with w(r) = r inside [0.5, 5]
+    "score_centering": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 0.0))),
+}
 
 
-@pytest.mark.parametrize("loss_name", ALL_LOSSES)
-def test_metrics_are_detached_scalars_and_empty_rows_work(loss_name):
-    policy_logits, sampler_logits, targets, advantages, top_ids, sample_id = _random_case(seed=3)
-    _, per_token, metrics = _logits_grad(loss_name, policy_logits, sampler_logits, targets, advantages, top_ids,
-                                         sample_id)
-    assert per_token.shape == targets.shape
-    required = {"sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-                "sampling/importance_sampling_ratio/max", "sampling/masked_mean",
-                "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-                "clip_ratio/high_max"}
-    assert required <= metrics.keys()
-    for value in metrics.values():
-        assert value.dim() == 0 and not value.requires_grad
-    # A zero-weight dummy row (end of data) has no trained token: the loss must still backprop.
-    empty = _random_case(m=0)
-    per_token, metrics = get_loss(loss_name)(_inputs(*empty), CFG)
-    normalized_loss(per_token, 10, 1, 1).backward()
-    assert math.isnan(metrics["sampling/importance_sampling_ratio/mean"].item())
+@pytest.mark.parametrize("name", sorted(HAND_CASES))
+def test_hand_computed_case(name):
+    overrides, want_loss, want_grad = HAND_CASES[name]
+    fn, options = get_loss(name)
+    options = dataclasses.replace(options, **overrides)
+    sampler = torch.full((5,), -1.0, dtype=torch.float64)
+    policy = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    no_top = torch.zeros(5, 0, dtype=torch.float64)
+    inputs = LossInputs(policy, sampler, torch.tensor(ADVANTAGES, dtype=torch.float64),
+                        torch.tensor([0, 0, 1, 1, 1]), max_completion_length=4,
+                        policy_top_logprobs=no_top, sampler_top_logprobs=no_top)
+    loss = normalized_loss(fn(inputs, options), inputs, 1, 1)
+    (grad,) = torch.autograd.grad(loss, (policy,))
+    assert loss.item() == pytest.approx(want_loss, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-9, atol=1e-12)
 
 
-# ---- score centering ----------------------------------------------------------------------------------------------
+def test_clip_metrics_by_hand():
+    # clipped_surrogate, eps = 0.2, eps_high = 0.28 -> trust region [0.8, 1.28]; band [0.5, 5].
+    # Kept tokens 0-3: low = {2} (r = 0.6 < 0.8, A < 0), high = {0} (r = 1.5 > 1.28, A > 0).
+    # Per sequence (kept tokens only): s0 = {0, 1}: low 0, high 1/2; s1 = {2, 3}: low 1/2, high 0.
+    fn, options = get_loss("clipped_surrogate")
+    options = dataclasses.replace(options, epsilon_high=0.28)
+    sampler = torch.full((5,), -1.0, dtype=torch.float64)
+    inputs = LossInputs(torch.tensor(LOGP, dtype=torch.float64), sampler, torch.tensor(ADVANTAGES),
+                        torch.tensor([0, 0, 1, 1, 1]))
+    metrics = fn(inputs, options).metrics
+    assert metrics["clip_ratio/low_mean"].item() == pytest.approx(1 / 4)
+    assert metrics["clip_ratio/high_mean"].item() == pytest.approx(1 / 4)
+    assert metrics["clip_ratio/region_mean"].item() == pytest.approx(2 / 4)
+    assert metrics["clip_ratio/low_min"].item() == pytest.approx(0.0)
+    assert metrics["clip_ratio/high_max"].item() == pytest.approx(1 / 2)
+    assert metrics["sampling/masked_mean"].item() == pytest.approx(1 / 5)
+    assert metrics["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(sum(RATIOS) / 5)
+    assert metrics["sampling/sampling_logp_difference/max"].item() == pytest.approx(math.log(6.0))
 
-def _expected_grad_over_samples(policy_logits, sampler_logits, advantage, top_ids, loss_name="score_centering"):
+
+# ---- score centering: exact expectations over the sampled token ----------------------------------------------------
+
+SC = ScoreCenteringOptions()
+
+
+def _single_position_grad(name, policy_logits, sampler_logits, y, advantage, top_ids):
+    fn, options = get_loss(name)
+    inputs = make_inputs(policy_logits, sampler_logits, torch.tensor([y]),
+                         torch.tensor([advantage], dtype=torch.float64), top_ids, torch.tensor([0]))
+    (grad,) = torch.autograd.grad(fn(inputs, options).terms.sum(), (policy_logits,))
+    return grad
+
+
+def _expected_grad_over_samples(policy_logits, sampler_logits, advantage, top_ids, name="score_centering"):
     """sum_y q(y) * grad(loss | sampled y): the exact expectation of the gradient under the sampler, at 1 position."""
     q = torch.softmax(sampler_logits, -1)[0]
-    total = torch.zeros_like(policy_logits)
-    for y in range(V):
-        grad, _, _ = _logits_grad(loss_name, policy_logits, sampler_logits, torch.tensor([y]),
-                                  torch.tensor([advantage], dtype=torch.float64), top_ids)
-        total += q[y] * grad
-    return total
+    return sum(q[y] * _single_position_grad(name, policy_logits, sampler_logits, y, advantage, top_ids)
+               for y in range(V))
 
 
 def _far_from_sampler():
@@ -143,7 +138,7 @@ def _far_from_sampler():
     shift = torch.tensor([[0.0, 0.6, -1.2, 2.5, 0.3, -0.4]], dtype=torch.float64)
     policy_logits = (sampler_logits + shift).requires_grad_()
     ratio = torch.softmax(policy_logits, -1) / torch.softmax(sampler_logits, -1)
-    outside = (ratio < CFG.is_clip_min) | (ratio > CFG.is_clip_max)
+    outside = (ratio < BAND[0]) | (ratio > BAND[1])
     assert outside.any() and (~outside).sum() >= 3, "the case must mask some tokens and keep others"
     return policy_logits, sampler_logits
 
@@ -169,165 +164,134 @@ def test_score_centering_tail_model_is_exact_when_sampler_tail_is_proportional()
     tail[head] = False
     rho = (1 - q[head].sum()) / (1 - p[head].sum())
     q[tail] = rho * p[tail]
-    assert CFG.is_clip_min <= 1 / rho <= CFG.is_clip_max
+    assert BAND[0] <= 1 / rho <= BAND[1]
     policy_logits = p.log()[None].clone().requires_grad_()
     centered = _expected_grad_over_samples(policy_logits, q.log()[None], 1.0, head[None])
     torch.testing.assert_close(centered, torch.zeros_like(centered), atol=1e-12, rtol=0)
 
 
 def test_score_centering_with_full_top_k_equals_exact_centering():
-    policy_logits, sampler_logits, targets, advantages, _, sample_id = _random_case(m=5, seed=4)
+    policy_logits, sampler_logits, targets, advantages, _, sequence_index = structured_case((2, 3), seed=4)
     with torch.no_grad():
         policy_logits[1, 2] += 2.0  # push a few ratios out of the band
         policy_logits[3, 0] -= 2.0
     top_ids = torch.arange(V).expand(5, V)
-    grad, _, _ = _logits_grad("score_centering", policy_logits, sampler_logits, targets, advantages, top_ids,
-                              sample_id)
+    inputs = make_inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sequence_index)
+    (grad,) = torch.autograd.grad(get_loss("score_centering")[0](inputs, SC).terms.sum(), (policy_logits,))
     # Independent reference: -A [w(r_y) log p(y) - sum_v q_v w(p_v / q_v) log p_v], weights detached.
     logp = torch.log_softmax(policy_logits, -1)
     q = torch.softmax(sampler_logits, -1)
-    ratio = (logp.detach().exp() / q)
-    w = torch.where((ratio >= 0.5) & (ratio <= 5.0), ratio, torch.zeros_like(ratio))
+    ratio = logp.detach().exp() / q
+    w = torch.where((ratio >= BAND[0]) & (ratio <= BAND[1]), ratio, torch.zeros_like(ratio))
     assert (w == 0).any()
     rows = torch.arange(5)
     bracket = w[rows, targets] * logp[rows, targets] - (q * w * logp).sum(-1)
-    (want,) = torch.autograd.grad(-(advantages * bracket).sum(), (policy_logits,))
+    (want,) = torch.autograd.grad(-(advantages[sequence_index] * bracket).sum(), (policy_logits,))
     torch.testing.assert_close(grad, want)
 
 
 def test_score_centering_masked_position_keeps_its_centering_term():
-    policy_logits, sampler_logits, targets, advantages, top_ids, sample_id = _random_case(seed=5)
+    policy_logits, sampler_logits, targets, advantages, top_ids, sequence_index = structured_case(seed=5)
     # Residuals vanish when every ratio is in the band, so make the sampler's top id of position 4 out of band.
     with torch.no_grad():
         policy_logits[4, top_ids[4, 0]] += 4.0
-    inputs = _inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sample_id)
-    residuals, _ = centering_residuals(inputs.policy_top_logprobs, inputs.sampler_top_logprobs, CFG)
+    inputs = make_inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sequence_index)
+    residuals, _ = centering_residuals(inputs.policy_top_logprobs, inputs.sampler_top_logprobs, *BAND)
     assert residuals[4].abs().sum() > 0
     inputs.sampler_logprobs = inputs.sampler_logprobs.clone()
     inputs.sampler_logprobs[4] = inputs.policy_logprobs[4].detach() - math.log(10.0)  # r = 10: masked
     top = inputs.policy_top_logprobs.detach().requires_grad_()
     inputs.policy_top_logprobs = top
-    per_token, _ = get_loss("score_centering")(inputs, CFG)
-    (grad_top,) = torch.autograd.grad(per_token.sum(), (top,))
+    out = get_loss("score_centering")[0](inputs, SC)
+    assert not out.kept[4]
+    (grad_top,) = torch.autograd.grad(out.terms.sum(), (top,))
     assert grad_top[4].abs().sum() > 0
 
 
 def test_centering_residuals_on_policy_vanish_and_sampler_mass():
-    policy_logits, sampler_logits, *_ = _random_case(seed=6, on_policy=True)
+    policy_logits, *_ = structured_case(seed=6, on_policy=True)
     logp = torch.log_softmax(policy_logits.detach(), -1)
     top = torch.topk(logp, 3, dim=-1).indices
-    residuals, sampler_mass = centering_residuals(logp.gather(1, top), logp.gather(1, top), CFG)
+    residuals, sampler_mass = centering_residuals(logp.gather(1, top), logp.gather(1, top), *BAND)
     torch.testing.assert_close(residuals, torch.zeros_like(residuals), atol=1e-15, rtol=0)
     torch.testing.assert_close(sampler_mass, logp.exp().gather(1, top).sum(-1))
 
 
 def test_score_centering_padding_and_out_of_support_entries_contribute_nothing():
-    policy_logits, sampler_logits, targets, advantages, top_ids, sample_id = _random_case(seed=7)
-    base = _inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sample_id)
-    padded = _inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sample_id)
-    minus_inf = torch.full((8, 2), float("-inf"), dtype=torch.float64)
-    padded.policy_top_logprobs = torch.cat([padded.policy_top_logprobs, minus_inf], 1)
-    padded.sampler_top_logprobs = torch.cat([padded.sampler_top_logprobs, torch.tensor([[-9999.0, -9999.0]] * 8,
-                                                                                        dtype=torch.float64)], 1)
-    want, want_metrics = get_loss("score_centering")(base, CFG)
-    got, got_metrics = get_loss("score_centering")(padded, CFG)
-    torch.testing.assert_close(got, want)
-    assert got_metrics["sampling/sampler_mass"] == want_metrics["sampling/sampler_mass"]
-    (grad,) = torch.autograd.grad(got.sum(), (policy_logits,))
+    case = structured_case(seed=7)
+    base, padded = make_inputs(*case), make_inputs(*case)
+    m = base.policy_logprobs.shape[0]
+    padded.policy_top_logprobs = torch.cat([padded.policy_top_logprobs,
+                                            torch.full((m, 2), float("-inf"), dtype=torch.float64)], 1)
+    padded.sampler_top_logprobs = torch.cat([padded.sampler_top_logprobs,
+                                             torch.full((m, 2), -9999.0, dtype=torch.float64)], 1)
+    fn = get_loss("score_centering")[0]
+    want, got = fn(base, SC), fn(padded, SC)
+    torch.testing.assert_close(got.terms, want.terms)
+    assert got.metrics["sampling/sampler_mass"] == want.metrics["sampling/sampler_mass"]
+    (grad,) = torch.autograd.grad(got.terms.sum(), (case[0],))
     assert torch.isfinite(grad).all()
 
 
 def test_score_centering_requires_top_logprobs():
-    policy_logits, sampler_logits, targets, advantages, top_ids, sample_id = _random_case()
-    inputs = _inputs(policy_logits, sampler_logits, targets, advantages, top_ids, sample_id)
+    inputs = make_inputs(*structured_case())
     inputs.policy_top_logprobs = inputs.sampler_top_logprobs = None
     with pytest.raises(ValueError, match="clipped_surrogate"):
-        get_loss("score_centering")(inputs, CFG)
+        get_loss("score_centering")[0](inputs, SC)
 
 
-# ---- clipped surrogate and clip metrics, by hand ---------------------------------------------------------------
+# ---- normaliser, registry, CLI, import-path hook -------------------------------------------------------------------
 
-def test_clipped_surrogate_hand_computed():
-    # eps = 0.2, eps_high = 0.28 -> clip range [0.8, 1.28]; band [0.5, 5].
-    # tok  r    A    r*A    clip(r)*A   min     loss   d loss / d log p
-    # 0   1.5   1    1.5    1.28        1.28   -1.28   0     (clipped branch is constant)
-    # 1   0.6  -2   -1.2   -1.6        -1.6     1.6    0     (clipped)
-    # 2   1.1   0.5  0.55   0.55        0.55   -0.55  -0.55  (-A r)
-    # 3   0.7   1    0.7    0.8         0.7    -0.7   -0.7
-    # 4   6.0   1    masked (r > 5)              0      0
-    # 5   0.4  -1    masked (r < 0.5)            0      0
-    # 6   1.5  -1   -1.5   -1.28       -1.5     1.5    1.5
-    ratios = torch.tensor([1.5, 0.6, 1.1, 0.7, 6.0, 0.4, 1.5], dtype=torch.float64)
-    advantages = torch.tensor([1, -2, 0.5, 1, 1, -1, -1], dtype=torch.float64)
-    sampler_logprobs = torch.full((7,), -1.0, dtype=torch.float64)
-    policy_logprobs = (sampler_logprobs + ratios.log()).requires_grad_()
-    sample_id = torch.tensor([0, 0, 0, 1, 1, 2, 2])
-    inputs = LossInputs(policy_logprobs, sampler_logprobs, advantages, sample_id)
-    per_token, metrics = get_loss("clipped_surrogate")(inputs, CFG)
-    torch.testing.assert_close(per_token, torch.tensor([-1.28, 1.6, -0.55, -0.7, 0, 0, 1.5], dtype=torch.float64))
-    (grad,) = torch.autograd.grad(per_token.sum(), (policy_logprobs,))
-    torch.testing.assert_close(grad, torch.tensor([0, 0, -0.55, -0.7, 0, 0, 1.5], dtype=torch.float64))
-    # Sampling metrics before masking: mean r = 11.8 / 7, 2 of 7 masked, max |log r| = log 6.
-    assert metrics["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(11.8 / 7)
-    assert metrics["sampling/masked_mean"].item() == pytest.approx(2 / 7)
-    assert metrics["sampling/sampling_logp_difference/max"].item() == pytest.approx(math.log(6.0))
-    # Over the 5 unmasked tokens: low = {1} (r < 0.8, A < 0), high = {0} (r > 1.28, A > 0); token 6 has r > 1.28
-    # but A < 0, token 3 has r < 0.8 but A > 0: neither is clipped. Per completion (unmasked tokens only):
-    # c0 = {0, 1, 2}: low 1/3, high 1/3; c1 = {3}: 0, 0; c2 = {6}: 0, 0.
-    assert metrics["clip_ratio/low_mean"].item() == pytest.approx(1 / 5)
-    assert metrics["clip_ratio/high_mean"].item() == pytest.approx(1 / 5)
-    assert metrics["clip_ratio/region_mean"].item() == pytest.approx(2 / 5)
-    assert metrics["clip_ratio/low_min"].item() == pytest.approx(0.0)
-    assert metrics["clip_ratio/high_max"].item() == pytest.approx(1 / 3)
+def test_normalized_loss_divides_by_the_named_global_count():
+    terms = torch.tensor([1.0, 2.0, 3.0])  # sum 6, 3 tokens in 2 sequences
+    inputs = LossInputs(torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.tensor([0, 0, 1]),
+                        num_tokens_global=10, num_sequences_global=4, max_completion_length=5)
+    # token: 10 tokens over W = 2 ranks -> 5 per rank; GA = 2 -> 6 / 5 / 2
+    assert normalized_loss(LossOutput(terms, "token", terms > 0, {}), inputs, 2, 2).item() == pytest.approx(0.6)
+    # constant: 4 sequences x 5 = 20 over 2 ranks -> 6 / 10
+    assert normalized_loss(LossOutput(terms, "constant", terms > 0, {}), inputs, 2, 1).item() == pytest.approx(0.6)
+    per_sequence = torch.tensor([1.0, 3.0])  # sequence: 4 sequences over 4 ranks -> divisor 1
+    assert normalized_loss(LossOutput(per_sequence, "sequence", terms > 0, {}), inputs, 4, 1).item() == 4.0
+    # fewer global tokens than ranks: the divisor is floored at 1
+    few = LossInputs(torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.tensor([0, 0, 1]), num_tokens_global=1)
+    assert normalized_loss(LossOutput(terms, "token", terms > 0, {}), few, 4, 3).item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="sequence_mean"):
+        normalized_loss(LossOutput(terms, "sequence", terms > 0, {}), inputs, 1, 1)
 
 
-def test_clip_min_and_max_are_over_completions():
-    # sample ids are arbitrary labels (7 and 3): completion 7 = {0, 1}, completion 3 = {2, 3, 4}.
-    # low tokens (r = 0.6 < 0.8, A < 0): 0 in completion 7 -> 1/2; 2 and 3 in completion 3 -> 2/3.  min = 1/2.
-    # high tokens (r = 2 > 1.28, A > 0): 1 in completion 7 -> 1/2; 4 in completion 3 -> 1/3.        max = 1/2.
-    ratios = torch.tensor([0.6, 2.0, 0.6, 0.6, 2.0], dtype=torch.float64)
-    advantages = torch.tensor([-1, 1, -1, -1, 1], dtype=torch.float64)
-    sampler_logprobs = torch.full((5,), -2.0, dtype=torch.float64)
-    no_top = torch.zeros(5, 0, dtype=torch.float64)  # K = 0: score centering reduces to masked IS
-    inputs = LossInputs(sampler_logprobs + ratios.log(), sampler_logprobs, advantages, torch.tensor([7, 7, 3, 3, 3]),
-                        no_top, no_top)
-    for name in ALL_LOSSES:
-        _, metrics = get_loss(name)(inputs, CFG)
-        assert metrics["clip_ratio/low_min"].item() == pytest.approx(1 / 2)
-        assert metrics["clip_ratio/high_max"].item() == pytest.approx(1 / 2)
-        assert metrics["clip_ratio/region_mean"].item() == pytest.approx(1.0)
-
-
-# ---- normalisation, registry, config ------------------------------------------------------------------------------
-
-def test_normalized_loss_matches_the_formula():
-    per_token = torch.tensor([1.0, 2.0, 3.0])
-    # sum = 6; N_glob = 10 over W = 2 ranks -> 5 tokens per rank; GA = 2 -> 6 / 5 / 2.
-    assert normalized_loss(per_token, 10, 2, 2).item() == pytest.approx(0.6)
-    # Fewer global tokens than ranks: the divisor is floored at 1.
-    assert normalized_loss(per_token, 1, 4, 3).item() == pytest.approx(2.0)
-    assert normalized_loss(per_token, torch.tensor(12), 3, 1).item() == pytest.approx(1.5)
-
-
-def test_get_loss_by_name_by_import_path_and_errors():
-    assert get_loss("score_centering") is LOSSES["score_centering"]
-    assert get_loss("grpo.losses:clipped_surrogate") is LOSSES["clipped_surrogate"]
-    with pytest.raises(ValueError, match="clipped_surrogate.*score_centering"):
+def test_registry_errors_and_import_path():
+    fn, options = get_loss("grpo.clipped_losses:ClippedOptions")
+    assert fn is get_loss("grpo")[0] and options == type(LOSSES["grpo"])()
+    with pytest.raises(ValueError, match="unknown loss 'ppo'.*score_centering"):
         get_loss("ppo")
-    with pytest.raises(ValueError, match="does not name a function"):
-        get_loss("grpo.losses:nope")
     with pytest.raises(ValueError, match="already registered"):
-        register_loss("score_centering")(lambda inputs, cfg: None)
+        register_loss("score_centering", SC)(lambda inputs, options: None)
+    with pytest.raises(ValueError, match="own options dataclass"):
+        register_loss("another_centering", SC)(lambda inputs, options: None)
 
 
-def test_loss_config_from_run_config():
-    cfg = LossConfig.from_run_config(AsyncGRPOConfig(epsilon=0.1, vllm_importance_sampling_clip_min=0.3))
-    assert cfg == LossConfig(epsilon=0.1, epsilon_high=0.1, is_clip_min=0.3, is_clip_max=5.0)
-    assert LossConfig.from_run_config(AsyncGRPOConfig(epsilon_high=0.28)).epsilon_high == 0.28
+def test_cli_lists_every_loss_and_parses_its_options(capsys):
+    import tyro
+
+    from grpo.config import AsyncGRPOConfig
+
+    with pytest.raises(SystemExit):
+        tyro.cli(AsyncGRPOConfig, args=["--help"])
+    help_text = capsys.readouterr().out
+    for name in ALL_LOSSES:
+        assert f"loss:{name.replace('_', '-')}" in help_text, name
+    config = tyro.cli(AsyncGRPOConfig, args=["--advantage-estimator", "rloo", "loss:dapo", "--loss.epsilon-high",
+                                             "0.3"])
+    assert config.loss == dataclasses.replace(LOSSES["dapo"], epsilon_high=0.3)
+    assert config.advantage_estimator == "rloo" and config.num_sampler_logprobs == 0
+    assert AsyncGRPOConfig().num_sampler_logprobs == SC.num_sampler_logprobs == 8  # declared by the default loss
+    assert sampler_needs(LOSSES["gspo"]).top_logprobs == 0
 
 
-def test_entropy_metric_is_the_detached_mean():
-    entropy = torch.tensor([0.5, 1.5, 1.0], requires_grad=True)
-    value = entropy_metric(entropy)["entropy"]
-    assert value.item() == pytest.approx(1.0) and not value.requires_grad
-    assert math.isnan(entropy_metric(torch.zeros(0))["entropy"].item())
+def test_import_path_hook_runs_the_same_checks(monkeypatch):
+    """The documented hook: a module named in $GRPO_LOSS_MODULES registers its loss, which then gets every check."""
+    monkeypatch.setenv(LOSS_MODULES_ENV, "example_custom_loss")
+    assert "example_reinforce" in registered_losses()
+    check_loss("example_reinforce")
+    fn, options = get_loss("example_custom_loss:ExampleOptions")
+    assert fn.__name__ == "example_reinforce" and options.scale == 1.0

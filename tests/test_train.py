@@ -43,7 +43,7 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
 
     from grpo.distributed import init_distributed, shard_model
     from grpo.gdn import patch_gdn_layers
-    from grpo.losses import LossConfig, get_loss
+    from grpo.losses import get_loss
     from grpo.model import load_policy
     from grpo.policy import PackedPolicy
     from train import StepPlan, train_micro_batch
@@ -55,7 +55,7 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
     patch_gdn_layers(model)
     policy = shard_model(PackedPolicy(model, "sdpa", temperature=1.0), info, mixed_precision=False)
     plan = StepPlan(rows, trained)
-    metrics = train_micro_batch(policy, rows[info.rank], plan, get_loss("clipped_surrogate"), LossConfig(),
+    metrics = train_micro_batch(policy, rows[info.rank], plan, *get_loss("clipped_surrogate"),
                                 world, 1, contextlib.nullcontext)
     grads = {}
     for name, p in policy.named_parameters():
@@ -226,7 +226,7 @@ def test_moe_load_balancing_loss_is_added(tiny_models):
     term has no gradient, so the routers' gradient comes from the load-balancing loss alone."""
     import contextlib
 
-    from grpo.losses import LossConfig, get_loss
+    from grpo.losses import get_loss
     from grpo.model import aux_loss_coef, load_policy
     from grpo.policy import PackedPolicy
     from train import StepPlan, train_micro_batch
@@ -239,7 +239,7 @@ def test_moe_load_balancing_loss_is_added(tiny_models):
         s.advantage = 0.0
     policy = PackedPolicy(model, "sdpa", 1.0, aux_coef=coef)
     metrics = train_micro_batch(policy, samples, StepPlan([samples], sum(s.num_trained for s in samples)),
-                                get_loss("clipped_surrogate"), LossConfig(), 1, 1, contextlib.nullcontext)
+                                *get_loss("clipped_surrogate"), 1, 1, contextlib.nullcontext)
     assert 1.0 < metrics["aux_loss"] < 4.0  # ~top_k for a near-uniform router
     gate_grads = [p.grad for n, p in model.named_parameters() if "mlp.gate." in n]
     lm_head = model.get_output_embeddings().weight.grad
