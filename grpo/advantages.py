@@ -10,10 +10,12 @@ than one group's rewards). DAPO's overlong reward shaping is applied before the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-Estimator = Callable[[np.ndarray], np.ndarray]
+Estimator = Callable[["np.ndarray"], "np.ndarray"]
 ESTIMATORS: dict[str, Estimator] = {}
 STD_EPS = 1e-8
 """Added to the group std before dividing (a group of equal rewards has std 0)."""
@@ -46,6 +48,8 @@ def no_std(rewards: np.ndarray) -> np.ndarray:
 @register_estimator("rloo")
 def rloo(rewards: np.ndarray) -> np.ndarray:
     """RLOO (Ahmadian et al., arXiv 2402.14740): r_i - mean of the other rewards = G / (G - 1) (r_i - mean)."""
+    import numpy as np
+
     n = len(rewards)
     if n < 2:
         return np.zeros_like(rewards)
@@ -55,6 +59,8 @@ def rloo(rewards: np.ndarray) -> np.ndarray:
 def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: float) -> np.ndarray:
     """DAPO soft overlong punishment (arXiv 2503.14476 eq. 13): 0 up to max - buffer, then linear down to
     -factor at max_length (and beyond)."""
+    import numpy as np
+
     if buffer <= 0:
         return np.zeros(len(lengths), dtype=np.float64)
     excess = np.asarray(lengths, dtype=np.float64) - (max_length - buffer)
@@ -64,6 +70,8 @@ def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: 
 def estimate_advantages(name: str, rewards: np.ndarray, lengths: np.ndarray | None = None, max_length: int = 0,
                         overlong_buffer: int = 0, overlong_factor: float = 1.0) -> np.ndarray:
     """Advantages [G] of one group by the named estimator; NaN rewards get 0 and are left out of the statistics."""
+    import numpy as np
+
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}: use one of {sorted(ESTIMATORS)}")
     rewards = np.asarray(rewards, dtype=np.float64)

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from grpo.losses import (LossInputs, LossOutput, Normalizer, per_token, register_loss, sampled_token_ratio,
                          sequence_mean, sequence_sum, standard_metrics)
 
@@ -65,6 +63,8 @@ def clipped_surrogate(inputs: LossInputs, opts: ClippedOptions) -> LossOutput:
     sequence masking (DeepSeek-V3.2, arXiv 2512.02556) removes negative-advantage sequences whose sampler drifted
     more than the threshold in mean log(q/p).
     """
+    import torch
+
     token_ratio, band, raw_ratio = sampled_token_ratio(
         inputs, opts.vllm_importance_sampling_clip_min, opts.vllm_importance_sampling_clip_max)  # [M]
     kept = band
@@ -121,6 +121,8 @@ def geometric_mean(inputs: LossInputs, opts: GeometricMeanOptions) -> LossOutput
     The geometric mean of the token ratios is less sensitive to outlier ratios than the arithmetic mean GRPO
     takes; token-level clipping happens in log space, in the direction the advantage's sign makes pessimistic.
     """
+    import torch
+
     _, band, raw_ratio = sampled_token_ratio(
         inputs, opts.vllm_importance_sampling_clip_min, opts.vllm_importance_sampling_clip_max)
     log_ratio = torch.where(band, inputs.policy_logprobs - inputs.sampler_logprobs,

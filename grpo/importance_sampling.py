@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from grpo.losses import (SAMPLER_NEG_INF, LossInputs, LossOutput, Normalizer, in_band, per_token, register_loss,
                          sequence_mean, sequence_sum, standard_metrics)
 
@@ -57,6 +55,8 @@ def importance_weighted(inputs: LossInputs, opts: ImportanceSampledOptions) -> L
     On-policy w = 1 and the gradient is plain REINFORCE. The weight is detached (the score function carries the
     gradient), as in TIS and CISPO; unlike PPO's clip, a truncated token keeps its gradient.
     """
+    import torch
+
     level, _, mode = opts.vllm_importance_sampling_mode.partition("_")
     low, high = opts.vllm_importance_sampling_clip_min, opts.vllm_importance_sampling_clip_max
     valid = inputs.sampler_logprobs > SAMPLER_NEG_INF  # [M]

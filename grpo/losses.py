@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
+
 
 SAMPLER_NEG_INF = -9999.0
 """vLLM reports -inf logprobs as -9999.0; anything at or below it is treated as -inf."""
@@ -69,6 +70,8 @@ class LossInputs:
     sampler_top_logprobs: Tensor | None = None  # [M, K] vLLM's log q at those ids, <= -9999 = -inf
 
     def __post_init__(self) -> None:
+        import torch
+
         m = self.policy_logprobs.shape
         for name in ("sampler_logprobs", "advantages", "sequence_index", "group_index"):
             value = getattr(self, name)
@@ -219,6 +222,8 @@ def sampled_token_ratio(inputs: LossInputs, low: float, high: float) -> tuple[Te
     Out-of-band ratios are replaced by a constant 1 before the exp: a masked ratio can be inf (q reported as
     -9999), and exp's backward would turn its zero gradient into 0 * inf = NaN.
     """
+    import torch
+
     log_ratio = inputs.policy_logprobs - inputs.sampler_logprobs  # [M]
     raw_ratio = log_ratio.detach().exp()
     mask = in_band(raw_ratio, low, high)
@@ -228,6 +233,8 @@ def sampled_token_ratio(inputs: LossInputs, low: float, high: float) -> tuple[Te
 
 def sequence_sum(values: Tensor, inputs: LossInputs) -> Tensor:
     """[M] -> [S]: sum of each sequence's token values."""
+    import torch
+
     out = torch.zeros(inputs.num_sequences, dtype=values.dtype, device=values.device)
     return out.index_add(0, inputs.sequence_index, values)
 
@@ -246,6 +253,8 @@ def per_token(values: Tensor, inputs: LossInputs) -> Tensor:
 def sampling_metrics(inputs: LossInputs, raw_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """`sampling/*` over all trained tokens, before masking (NaN for an empty row); `masked_mean` is the fraction
     of tokens `mask` removes (for any reason: IS band, sequence masking)."""
+    import torch
+
     logp_diff = (inputs.policy_logprobs.detach() - inputs.sampler_logprobs).abs()  # [M]
     return {
         "sampling/importance_sampling_ratio/min": reduce(raw_ratio, torch.min),
@@ -260,6 +269,8 @@ def sampling_metrics(inputs: LossInputs, raw_ratio: Tensor, mask: Tensor) -> dic
 def clip_metrics(ratio: Tensor, inputs: LossInputs, kept: Tensor, low: float, high: float) -> dict[str, Tensor]:
     """`clip_ratio/*` over kept tokens: tokens whose (token or sequence) ratio leaves the trust region [low, high]
     in the direction the objective clips (below with A < 0, above with A > 0); min/max over sequences."""
+    import torch
+
     advantages = inputs.advantages
     low_hit = (ratio < low) & (advantages < 0) & kept  # [M]
     high_hit = (ratio > high) & (advantages > 0) & kept
@@ -287,11 +298,15 @@ def standard_metrics(inputs: LossInputs, raw_ratio: Tensor, band_mask: Tensor, c
 
 def entropy_metric(entropy: Tensor) -> dict[str, Tensor]:
     """`entropy`: mean token entropy over trained tokens (entropy [M] from grpo.logprobs)."""
+    import torch
+
     return {"entropy": reduce(entropy.detach().float(), torch.mean)}
 
 
 def reduce(values: Tensor, op: Callable[[Tensor], Tensor]) -> Tensor:
     """A detached float scalar; NaN when there is nothing to reduce (the metric logger drops NaNs)."""
+    import torch
+
     if values.numel() == 0:
         return torch.tensor(float("nan"), device=values.device)
     return op(values.detach().float())

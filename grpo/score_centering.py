@@ -10,12 +10,14 @@ tail rescaled (docs/losses.md derives the estimator).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
 
 from grpo.losses import (SAMPLER_NEG_INF, LossInputs, LossOutput, SamplerNeeds, in_band, reduce, register_loss,
                          sampled_token_ratio, standard_metrics)
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 TAIL_FLOOR = 1e-6
 """Floor of the tail masses 1 - P_t and 1 - Q_t in the tail ratio; below it the top-k set covers the support."""
@@ -55,6 +57,8 @@ def score_centering(inputs: LossInputs, opts: ScoreCenteringOptions) -> LossOutp
     so the residuals vanish (the IS-weighted score already averages to zero). The centering term is the
     correction for the mass the band removes, estimated on the top-k ids and the tail model.
     """
+    import torch
+
     if inputs.policy_top_logprobs is None:
         raise ValueError("score_centering needs policy_top_logprobs and sampler_top_logprobs (num_sampler_logprobs "
                          "> 0 on the worker, top_ids passed to policy_token_logprobs); or use loss:clipped_surrogate")
@@ -81,6 +85,8 @@ def centering_residuals(policy_top_logprobs: Tensor, sampler_top_logprobs: Tenso
     log p_a with alpha_t = rho_t w(1 / rho_t), which folds into the residuals. Entries with policy -inf (padding,
     ids outside the trainer's support) have p_a = 0 and get c_a = 0; sampler entries <= -9999 have q_a = 0.
     """
+    import torch
+
     policy_top = policy_top_logprobs.detach()  # [M, K]
     sampler_top = sampler_top_logprobs.to(policy_top.dtype)
     sampler_top = torch.where(sampler_top <= SAMPLER_NEG_INF, torch.full_like(sampler_top, float("-inf")),
