@@ -205,8 +205,8 @@ def write_report(args: Args, variants: dict[str, list[list[dict]]]) -> None:
                      f"{_fmt(r['trained_tokens_per_s'])} | {_fmt(r['staleness_mean'])} | "
                      f"{_fmt(r['is_masked_frac'])} | {_fmt(r['is_ratio_mean'])} | {_fmt(r['wall_s_per_run'])} |")
     (args.out / "ablation.md").write_text("\n".join(lines) + "\n")
-    title = (f"{args.dataset}, {len(args.seeds)} seeds per variant (line: mean, band: min-max over seeds; "
-             f"5-step trailing mean)")
+    title = (f"{args.dataset}, {len(args.seeds)} seeds per variant\n"
+             f"line: mean over seeds, band: min-max; 5-step trailing mean")
     plot_bands(variants, ("reward",), args.out / "reward.png", title, smooth=5)
     plot_bands(variants, ("sampling/importance_sampling_ratio/mean", "sampling/masked_mean"),
                args.out / "sampling.png", title, smooth=5)
