@@ -35,10 +35,14 @@ class AsyncGRPOConfig:
     """MoE load-balancing loss weight; None = the model config's value, 0 disables. Errors on a dense model."""
     attn_backend: Literal["auto", "flash_varlen", "flex", "sdpa"] = "auto"
     """Tree-attention backend: auto picks FlashAttention varlen / FlexAttention on CUDA, the SDPA reference on CPU."""
-    gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass."""
+    gradient_checkpointing: Literal["auto", "true", "false"] = "auto"
+    """Recompute activations in the backward pass. auto: measured before the first step with a worst-case
+    micro-batch; off when the peak fits the GPU, otherwise just enough layers to fit (selective); off on CPU."""
     bf16: bool | None = None
-    """bf16 autocast for forward/backward; None = on when CUDA is available."""
+    """bf16 compute for forward/backward (fp32 masters, FSDP2 mixed precision); None = on when CUDA is available."""
+    compile_layers: bool | None = None
+    """torch.compile each decoder layer's norms, MLP and rotary embedding (fused elementwise work);
+    None = on when CUDA is available."""
 
     # ---- data --------------------------------------------------------------------------------------------------
     dataset: str | None = None
