@@ -5,7 +5,8 @@ loop: pull samples, pack them as prefix tries (one row per rank), forward/backwa
 push weights to vLLM every `weight_sync_steps`, log, checkpoint.
 
 Python API: `train.main(config, reward_funcs=[fn], train_dataset=ds, tools=[...], environment_factory=Env,
-loop_cls=MyLoop)`; every argument left None is taken from the config (registry names or `pkg.module:name`).
+loop_cls=MyLoop, peft_config=LoraConfig(...))`; every argument left None is taken from the config (registry names,
+`pkg.module:name`, the `lora_*` fields).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
     if config.uses_truncated_sampling and not model_cfg.get("return_sampling_mask"):
         log.warning("top_k/top_p/min_p sampling without --return-sampling-mask: trainer log-probs stay normalised "
                     "over the full vocabulary, so importance ratios are biased by the kept mass")
-    facts = {"max_model_len": control.max_model_len(), "dtype": dtype}
+    from grpo.lora import server_lora_facts
+
+    facts = {"max_model_len": control.max_model_len(), "dtype": dtype, "lora": server_lora_facts(info)}
     control.close()
     return facts
 
@@ -172,7 +175,7 @@ def _sync_time(t0: float, device) -> float:
 # ------------------------------------------------------------------------------------------ the run
 
 def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=None, environment_factory=None,
-         loop_cls=None) -> dict:
+         loop_cls=None, peft_config=None) -> dict:
     import contextlib
 
     import torch
@@ -182,6 +185,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.distributed import barrier, broadcast_object, init_distributed, shard_model
     from grpo.flops import device_peak_flops
     from grpo.gdn import patch_gdn_layers
+    from grpo.lora import (adapter_versions_for, choose_sync_mode, packed_forward_module, peft_config_from_run,
+                           wrap_policy)
     from grpo.losses import LossConfig, get_loss
     from grpo.metrics import MetricsLogger
     from grpo.model import aux_loss_coef, load_policy, load_tokenizer, trainable_parameters
@@ -203,10 +208,12 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     model = load_policy(config.model, config.dtype, config.trust_remote_code, config.gradient_checkpointing,
                         config.router_aux_loss_coef).to(info.device)
+    if (peft_config := peft_config or peft_config_from_run(config)) is not None:
+        model = wrap_policy(model, peft_config)
     patch_gdn_layers(model)
     bf16 = config.bf16 if config.bf16 is not None else info.device.type == "cuda"
-    policy = PackedPolicy(model, select_backend(config.attn_backend, info.device), config.temperature,
-                          aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
+    policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
+                          config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
     policy = shard_model(policy, info, mixed_precision=bf16 and config.dtype == "float32")
     optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16
@@ -222,7 +229,10 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
 
     mode = config.weight_transfer if config.weight_transfer != "auto" else (
         "nccl" if info.device.type == "cuda" else "cpu_file")
-    sync = WeightSync(config.vllm_server_base_url, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout))
+    adapter = adapter_versions_for(config, choose_sync_mode(config.lora_sync, model, facts["lora"],
+                                                            config.max_staleness))
+    sync = WeightSync(config.vllm_server_base_url, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout),
+                      adapter=adapter)
     sync.init(model)
     version = state["model_version"] + 1
     sync.sync(model, version)  # cold sync: the first rollouts already come from this policy
@@ -234,6 +244,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
+                               lora_name=adapter and adapter.name,
                                token_allowance=max(config.max_staleness, 1) * budget * info.world_size
                                * config.gradient_accumulation_steps)
         worker.start()

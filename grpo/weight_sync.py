@@ -13,6 +13,11 @@ version 1 [TRL]). The caller publishes `version` after `sync` returns. The proto
     rank 0: POST /finish_weight_update {"weight_version": str(version)}
     all:    barrier;  rank 0: POST /resume
 
+A PEFT policy is sent merged (merge -> transfer -> unmerge), unless `adapter` is given (grpo/lora.py): then each
+sync writes the adapter in PEFT format and registers it through vLLM's runtime LoRA route as `<name>-v<version>`,
+without pausing generation (running requests keep the adapter they named), and unloads the version that left the
+staleness window.
+
 Names are HF checkpoint names, what vLLM's `load_weights` expects: wrapper prefixes are stripped and transformers'
 in-memory conversions (e.g. fused MoE experts `mlp.experts.gate_up_proj`) are reverted with the same
 `revert_weight_conversion` that `save_pretrained` uses. Frozen parameters (a VLM's vision tower) are not sent; the
@@ -252,8 +257,9 @@ def _join(thread: threading.Thread, result: dict, timeout: float, what: str):
 class WeightSync:
     """Trainer side of the weight sync; create one on every rank (only rank 0 talks to the server)."""
 
-    def __init__(self, base_url: str, config: WeightSyncConfig = WeightSyncConfig()):
+    def __init__(self, base_url: str, config: WeightSyncConfig = WeightSyncConfig(), adapter=None):
         self.base_url, self.config = base_url, config
+        self.adapter = adapter  # grpo.lora.AdapterVersions: adapter-only sync to an --enable-lora server
         self.rank, self.world_size = _dist_rank_world()
         self.control = None
         self.group = None
@@ -265,6 +271,9 @@ class WeightSync:
 
     def init(self, model: nn.Module) -> None:
         """Once, on every rank, before the first sync: plan the tensors and open the transfer channel."""
+        if self.adapter is not None:
+            self._init_adapter()
+            return
         send_dtype = None
         if self.rank == 0:
             send_dtype = (getattr(torch, self.config.server_dtype) if self.config.server_dtype
@@ -294,6 +303,8 @@ class WeightSync:
 
     def sync(self, model: nn.Module, version: int) -> dict[str, float]:
         """Push the current weights; the server serves `version` afterwards. Returns perf/weight_sync_* seconds."""
+        if self.adapter is not None:
+            return self._sync_adapter(model, version)
         if self.plan is None:
             raise RuntimeError("WeightSync.sync before init(model): call init once on every rank first")
         t0 = time.perf_counter()
@@ -368,6 +379,37 @@ class WeightSync:
             self.control.update_weights({"path": path}, timeout=self.config.timeout)
         finally:
             os.unlink(path)
+
+    def _init_adapter(self) -> None:
+        """Unload this name's adapters an earlier run left registered, and their directories."""
+        if self.rank == 0:
+            prefix = f"{self.adapter.name}-v"
+            for name in self.control.lora_adapters():
+                if name.startswith(prefix):
+                    self.control.unload_lora_adapter(name)
+            self.adapter.clear()
+        _barrier()
+
+    def _sync_adapter(self, model: nn.Module, version: int) -> dict[str, float]:
+        """Gather the adapter (every rank), write `<name>-v<version>/`, load it, then unload the version that left
+        the window. No pause: the weights a running request uses never change."""
+        from grpo.lora import adapter_tensors
+
+        t0 = time.perf_counter()
+        tensors = adapter_tensors(model)
+        t_gathered = time.perf_counter()
+        if self.rank == 0:
+            try:
+                path = self.adapter.write(version, tensors, model.peft_config[model.active_adapter])
+                self.control.load_lora_adapter(self.adapter.served_name(version), str(path))
+                for old in self.adapter.loaded_version(version):
+                    self.control.unload_lora_adapter(self.adapter.served_name(old))
+            except Exception as exc:
+                raise WeightSyncError(f"adapter sync to {self.base_url} (version {version}) failed: {exc}") from exc
+        t_sent = time.perf_counter()
+        _barrier()
+        return {"perf/weight_sync_s": time.perf_counter() - t0, "perf/weight_sync_pause_s": 0.0,
+                "perf/weight_sync_transfer_s": t_sent - t_gathered}
 
     def close(self) -> None:
         if self.group is not None:
