@@ -148,6 +148,18 @@ def test_start_checks_name_the_restart_flags(tiny_qwen3):
         check_lora_server(_facts(8, 6), rank=600, max_staleness=4)
 
 
+def test_serve_command_emits_the_lora_flags():
+    """`rollout.py serve --server.lora-rank 12 --server.max-loras 6`: the next rank vLLM accepts, runtime updates
+    on, one API server (vLLM 0.32 refuses runtime LoRA updates with more)."""
+    from grpo.vllm_server import ServeConfig, serve_command
+
+    argv, env = serve_command(ServeConfig(lora_rank=12, max_loras=6, api_server_count=8))
+    joined = " ".join(argv)
+    assert "--enable-lora --max-lora-rank 16 --max-loras 6" in joined and "--api-server-count" not in joined
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "--enable-lora" not in serve_command(ServeConfig())[0]
+
+
 # ---- one real --enable-lora server --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lora_server(tiny_qwen3, tmp_path_factory):
@@ -233,6 +245,7 @@ def test_adapter_sync_versions_rollouts_and_pruning(lora_server, tiny_qwen3, tmp
 
     async def rollout_on_unloaded():
         _model_version.set(1)
+        loop.client = VLLMClient(lora_server.base_url, str(tiny_qwen3), timeout=60)  # one client per event loop
         return await loop.generate_one([{"role": "user", "content": "hi"}], [])
     assert asyncio.run(rollout_on_unloaded()).turns == []  # its version left the window: the rollout ends
     torch.testing.assert_close(server_prompt_logprobs(lora_server.base_url, str(tiny_qwen3), TOKENS), base_before)
