@@ -82,6 +82,42 @@ def packed_forward_module(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
+@dataclass(frozen=True)
+class LoraTerm:
+    """One active adapter of one LoRA linear: merged weight = base + scale * B @ A (transposed for Conv1D layouts)."""
+
+    lora_a: nn.Parameter  # [r, in]
+    lora_b: nn.Parameter  # [out, r]
+    scale: float
+    fan_in_fan_out: bool
+
+    def delta(self, materialize) -> torch.Tensor:
+        """`materialize` turns a (possibly FSDP2-sharded) parameter into its full tensor: a collective."""
+        a, b = materialize(self.lora_a), materialize(self.lora_b)
+        delta = (b.float() @ a.float()) * self.scale  # [out, in]
+        return delta.T if self.fan_in_fan_out else delta
+
+
+def lora_terms(model: nn.Module) -> dict[str, list[LoraTerm]] | None:
+    """`<module>.base_layer.weight` (as named in `model`) -> its active LoRA terms, for merging gathered tensors on
+    the fly (exact on FSDP2 shards, and the trainer's weights are never touched). None when some adapter layer is
+    not a plain LoRA linear (DoRA, embeddings, convolutions, other PEFT methods): PEFT's own merge is needed."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    terms: dict[str, list[LoraTerm]] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if type(module) is not LoraLinear or any(module.use_dora.get(a) for a in module.active_adapters):
+            return None
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        terms[f"{path}.base_layer.weight"] = [
+            LoraTerm(module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a]),
+                     bool(module.fan_in_fan_out)) for a in active]
+    return terms
+
+
 def is_lora_name(name: str) -> bool:
     return any(part.startswith("lora_") for part in name.split("."))
 

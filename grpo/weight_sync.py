@@ -13,7 +13,8 @@ version 1 [TRL]). The caller publishes `version` after `sync` returns. The proto
     rank 0: POST /finish_weight_update {"weight_version": str(version)}
     all:    barrier;  rank 0: POST /resume
 
-A PEFT policy is sent merged (merge -> transfer -> unmerge), unless `adapter` is given (grpo/lora.py): then each
+A PEFT policy is sent merged: each LoRA delta (scale x B @ A) is added to its gathered base weight as it is sent,
+so the server serves exactly the trained policy and the trainer's own weights are never modified. Unless `adapter` is given (grpo/lora.py): then each
 sync writes the adapter in PEFT format and registers it through vLLM's runtime LoRA route as `<name>-v<version>`,
 without pausing generation (running requests keep the adapter they named), and unloads the version that left the
 staleness window.
@@ -108,6 +109,8 @@ class _Group:
     shapes: list[list[int]] = field(default_factory=list)
     dtypes: list[torch.dtype] = field(default_factory=list)
     """What this group becomes after reverting transformers' conversions (checkpoint names, in send order)."""
+    lora: dict = field(default_factory=dict)
+    """in-memory checkpoint-style name -> LoRA terms merged into it when sent (grpo.lora.LoraTerm)."""
 
 
 def _revert(hf_model: nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -126,6 +129,8 @@ class SendPlan:
     hf_model: nn.Module | None
     send_dtype: torch.dtype | None
     has_dtensors: bool
+    peft_merge: bool = False
+    """The adapter is not plain LoRA: merge it into the model with PEFT around the transfer (one process only)."""
 
     @property
     def manifest(self) -> dict:
@@ -145,6 +150,8 @@ class SendPlan:
         with torch.no_grad():
             for group in self.groups:
                 full = {name: _materialize(param) for name, param in group.params}
+                for name, terms in group.lora.items():
+                    full[name] = full[name] + sum(t.delta(_materialize) for t in terms).to(full[name].dtype)
                 reverted = _revert(self.hf_model, full)
                 for name, dtype in zip(group.names, group.dtypes):
                     tensor = reverted[name].to(dtype=self._wire_dtype(dtype))
@@ -166,12 +173,20 @@ def build_plan(model: nn.Module, send_dtype: torch.dtype | None = None) -> SendP
     hf_model = _hf_model(model)
     named = list((hf_model or model).named_parameters())
     peft = any(is_adapter_param(name) for name, _ in named)
+    terms = {}
+    if peft:
+        from grpo.lora import lora_terms
+
+        terms = lora_terms(hf_model or model)
     groups: dict[str, _Group] = {}
     for raw_name, param in named:
         if is_adapter_param(raw_name) or not (param.requires_grad or peft):
             continue
         name = checkpoint_name(raw_name)
-        groups.setdefault(_group_key(name), _Group(params=[])).params.append((name, param))
+        group = groups.setdefault(_group_key(name), _Group(params=[]))
+        group.params.append((name, param))
+        if terms and raw_name in terms:
+            group.lora[name] = terms[raw_name]
     if not groups:
         raise ValueError("no parameter to send: every parameter is frozen (requires_grad=False)")
 
@@ -189,10 +204,14 @@ def build_plan(model: nn.Module, send_dtype: torch.dtype | None = None) -> SendP
         # A conversion spans groups: revert the whole model at once (more memory, still correct).
         merged = _Group(params=[p for g in groups.values() for p in g.params], names=list(everything),
                         shapes=[list(t.shape) for t in everything.values()],
-                        dtypes=[t.dtype for t in everything.values()])
+                        dtypes=[t.dtype for t in everything.values()],
+                        lora={n: t for g in groups.values() for n, t in g.lora.items()})
         groups = {"": merged}
     has_dtensors = any(isinstance(p, DTensor) for g in groups.values() for _, p in g.params)
-    return SendPlan(list(groups.values()), hf_model, send_dtype, has_dtensors)
+    if terms is None and has_dtensors:
+        raise ValueError("merged sync of a sharded PEFT model supports plain LoRA linears only (no DoRA, embedding or "
+                         "convolution adapters, no other PEFT methods): change the peft_config")
+    return SendPlan(list(groups.values()), hf_model, send_dtype, has_dtensors, peft_merge=terms is None)
 
 
 # ---- the protocol -----------------------------------------------------------------------------------------------
@@ -313,7 +332,7 @@ class WeightSync:
         t_paused = time.perf_counter()
         _barrier()
         t_barrier = time.perf_counter()
-        merged = _merge_adapter(model)
+        merged = self.plan.peft_merge and _merge_adapter(model)
         try:
             self._transfer(version)
         finally:
@@ -420,7 +439,7 @@ class WeightSync:
 
 
 def _merge_adapter(model: nn.Module) -> bool:
-    """PEFT without adapter sync sends merged weights: merge now, unmerge after the transfer (vllm.md 5.2)."""
+    """A PEFT adapter that is not plain LoRA is merged by PEFT for the transfer and unmerged after."""
     if callable(getattr(model, "merge_adapter", None)) and callable(getattr(model, "unmerge_adapter", None)):
         model.merge_adapter()
         return True

@@ -148,6 +148,46 @@ def test_start_checks_name_the_restart_flags(tiny_qwen3):
         check_lora_server(_facts(8, 6), rank=600, max_staleness=4)
 
 
+def _sharded_sync_tensors(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """In each of 2 gloo ranks: FSDP2-shard the PEFT policy as train.py does; rank 0 saves what each sync sends."""
+    import os
+
+    from grpo.distributed import init_distributed, shard_model
+    from grpo.lora import adapter_tensors
+    from grpo.policy import PackedPolicy
+    from grpo.weight_sync import build_plan
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    info = init_distributed()
+    model = peft_model(model_dir, 3)
+    shard_model(PackedPolicy(packed_forward_module(model), "sdpa", 1.0), info, mixed_precision=False)
+    adapter, merged = adapter_tensors(model), dict(build_plan(model).iter_tensors())
+    if rank == 0:
+        torch.save({"adapter": adapter, "merged": merged}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_sharded_syncs_send_what_one_process_sends(tiny_qwen3, tmp_path):
+    """Under FSDP2 (2 CPU ranks) the adapter export equals PEFT's own files and the merged weights equal PEFT's
+    `merge_and_unload` exactly (PEFT's in-place merge is wrong on sharded parameters; the sync merges gathered
+    tensors instead)."""
+    import torch.multiprocessing as mp
+
+    from grpo.vllm_server import free_port
+
+    mp.spawn(_sharded_sync_tensors, args=(2, free_port(), str(tiny_qwen3), str(tmp_path / "two.pt")), nprocs=2)
+    two = torch.load(tmp_path / "two.pt")
+    model = peft_model(tiny_qwen3, 3)
+    adapter = adapter_tensors(model)
+    reference = model.merge_and_unload().state_dict()
+    assert two["adapter"].keys() == adapter.keys() and two["merged"].keys() == reference.keys()
+    for name, tensor in adapter.items():
+        torch.testing.assert_close(two["adapter"][name], tensor, rtol=0, atol=0)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(two["merged"][name], tensor, rtol=0, atol=1e-7, msg=name)
+
+
 def test_serve_command_emits_the_lora_flags():
     """`rollout.py serve --server.lora-rank 12 --server.max-loras 6`: the next rank vLLM accepts, runtime updates
     on, one API server (vLLM 0.32 refuses runtime LoRA updates with more)."""
