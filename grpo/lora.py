@@ -2,9 +2,9 @@
 
 A LoRA policy reaches the server in one of two ways, chosen once at start (`choose_sync_mode`):
 
-- **merged** (the fallback): `weight_sync.WeightSync` merges the adapter into the base weights, sends the full
-  weights through the ordinary transfer and unmerges, so the server serves exactly the trained policy. About
-  the model's full size per sync (15 GB for a 7B model in bf16).
+- **merged** (the fallback): `weight_sync.WeightSync` sends the full weights through the ordinary transfer with
+  each LoRA delta added to its gathered base weight (`lora_terms`), so the server serves exactly the trained
+  policy. About the model's full size per sync (15 GB for a 7B model in bf16).
 - **adapter**: the server runs `--enable-lora` with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`. Each version is written
   in PEFT format to `<output_dir>/.vllm_lora/<name>-v<N>/` and registered under the name `<name>-v<N>` through
   vLLM's runtime LoRA route (vLLM reads adapters from disk, so the server must see that directory). Rollouts ask

@@ -94,6 +94,17 @@ class _StubConfig:
         (__import__("pathlib").Path(path) / "adapter_config.json").write_text("{}")
 
 
+def test_cli_fields_build_the_lora_config():
+    from grpo.config import AsyncGRPOConfig
+    from grpo.lora import peft_config_from_run
+
+    assert peft_config_from_run(AsyncGRPOConfig()) is None
+    cfg = peft_config_from_run(AsyncGRPOConfig(lora_r=8))
+    assert (cfg.r, cfg.lora_alpha, cfg.target_modules, cfg.bias) == (8, 16.0, "all-linear", "none")
+    cfg = peft_config_from_run(AsyncGRPOConfig(lora_r=4, lora_alpha=4, lora_target_modules=("q_proj", "v_proj")))
+    assert (cfg.lora_alpha, set(cfg.target_modules)) == (4, {"q_proj", "v_proj"})
+
+
 def test_wrap_policy_refuses_lm_head(tiny_qwen3):
     from peft import LoraConfig
 
@@ -210,11 +221,12 @@ def lora_server(tiny_qwen3, tmp_path_factory):
 
 
 def _server_facts(server) -> dict:
-    return server_lora_facts(httpx.get(f"{server.base_url}/server_info", params={"config_format": "json"}).json())
+    return server_lora_facts(httpx.get(f"{server.base_url}/server_info", params={"config_format": "json"},
+                                       timeout=60).json())
 
 
 def _registered(server) -> set[str]:
-    return {m["id"] for m in httpx.get(f"{server.base_url}/v1/models").json()["data"] if m.get("parent")}
+    return {m["id"] for m in httpx.get(f"{server.base_url}/v1/models", timeout=60).json()["data"] if m.get("parent")}
 
 
 @pytest.mark.vllm
