@@ -14,10 +14,10 @@ version 1 [TRL]). The caller publishes `version` after `sync` returns. The proto
     all:    barrier;  rank 0: POST /resume
 
 A PEFT policy is sent merged: each LoRA delta (scale x B @ A) is added to its gathered base weight as it is sent,
-so the server serves exactly the trained policy and the trainer's own weights are never modified. Unless `adapter` is given (grpo/lora.py): then each
-sync writes the adapter in PEFT format and registers it through vLLM's runtime LoRA route as `<name>-v<version>`,
-without pausing generation (running requests keep the adapter they named), and unloads the version that left the
-staleness window.
+so the server serves exactly the trained policy and the trainer's own weights are never modified (PEFT's in-place
+merge is wrong on FSDP2 shards). Unless `adapter` is given (grpo/lora.py): then each sync writes the adapter in PEFT
+format and registers it through vLLM's runtime LoRA route as `<name>-v<version>`, without pausing generation
+(running requests keep the adapter they named), and unloads the version that left the staleness window.
 
 Names are HF checkpoint names, what vLLM's `load_weights` expects: wrapper prefixes are stripped and transformers'
 in-memory conversions (e.g. fused MoE experts `mlp.experts.gate_up_proj`) are reverted with the same
