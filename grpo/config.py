@@ -28,10 +28,14 @@ class AsyncGRPOConfig:
     """MoE load-balancing loss weight; None = the model config's value, 0 disables. Errors on a dense model."""
     attn_backend: Literal["auto", "flash_varlen", "flex", "sdpa"] = "auto"
     """Tree-attention backend: auto picks FlashAttention varlen / FlexAttention on CUDA, the SDPA reference on CPU."""
-    gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass."""
+    gradient_checkpointing: Literal["auto", "true", "false"] = "auto"
+    """Recompute activations in the backward pass. auto: measured before the first step with a worst-case
+    micro-batch; off when the peak fits the GPU, otherwise just enough layers to fit (selective); off on CPU."""
     bf16: bool | None = None
-    """bf16 autocast for forward/backward; None = on when CUDA is available."""
+    """bf16 compute for forward/backward (fp32 masters, FSDP2 mixed precision); None = on when CUDA is available."""
+    compile_layers: bool | None = None
+    """torch.compile each decoder layer's norms, MLP and rotary embedding (fused elementwise work);
+    None = on when CUDA is available."""
 
     # ---- PEFT / LoRA -----------------------------------------------------------------------------------------------
     lora_r: int = 0
@@ -39,8 +43,6 @@ class AsyncGRPOConfig:
     replaces the lora_* fields). Checkpoints then hold the adapter (PEFT format)."""
     lora_alpha: float | None = None
     """LoRA scaling numerator (scale = alpha / r); None = 2 x lora_r."""
-    lora_dropout: float = 0.0
-    """Dropout on the adapter input."""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """Modules that get an adapter: `all-linear` (every linear layer but the LM head) or module names."""
     lora_sync: Literal["auto", "merged", "adapter"] = "auto"

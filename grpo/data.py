@@ -21,11 +21,13 @@ def load_prompts(name_or_path: str, split: str = "train", require_prompt: bool =
 
     `require_prompt=False` is for an environment_factory whose `reset()` provides the prompt (spec).
     """
-    import datasets
-
     if name_or_path.startswith("builtin:"):
         dataset = builtin_dataset(name_or_path.removeprefix("builtin:"))
-    elif Path(name_or_path).is_file():
+        validate_prompts(dataset, name_or_path, require_prompt)
+        return dataset
+    import datasets
+
+    if Path(name_or_path).is_file():
         path = Path(name_or_path)
         builder = _LOCAL_BUILDERS.get(path.suffix.lower())
         if builder is None:
@@ -40,10 +42,12 @@ def load_prompts(name_or_path: str, split: str = "train", require_prompt: bool =
 
 def validate_prompts(dataset, source: str = "dataset", require_prompt: bool = True) -> None:
     """Raise a ValueError naming the fix unless `prompt` holds conversational messages."""
-    if "prompt" not in dataset.column_names:
+    columns = getattr(dataset, "column_names", None)  # datasets.Dataset, or a list of row dicts
+    columns = columns if columns is not None else (list(dataset[0]) if len(dataset) else [])
+    if "prompt" not in columns:
         if not require_prompt:
             return
-        raise ValueError(f"{source} has no `prompt` column (columns: {dataset.column_names}); rename the column "
+        raise ValueError(f"{source} has no `prompt` column (columns: {columns}); rename the column "
                          f"holding the messages to `prompt`, e.g. dataset.rename_column('question', 'prompt')")
     for index in range(min(len(dataset), _ROWS_CHECKED)):
         check_conversation(dataset[index]["prompt"], f"{source} row {index}")
@@ -88,10 +92,9 @@ BUILTIN_TASKS = {"letters": letters_rows}
 """`--dataset builtin:<name>` -> row builder; each task has a same-named reward in grpo/rewards.py."""
 
 
-def builtin_dataset(name: str):
-    import datasets
-
+def builtin_dataset(name: str) -> list[dict[str, Any]]:
+    """A built-in task's rows as a plain list (no `datasets` import: the GPU machines' images lack it)."""
     if name not in BUILTIN_TASKS:
         raise ValueError(f"unknown built-in task {name!r}: choose one of {sorted(BUILTIN_TASKS)} "
                          f"(e.g. --dataset builtin:letters --reward-funcs letters)")
-    return datasets.Dataset.from_list(BUILTIN_TASKS[name]())
+    return BUILTIN_TASKS[name]()

@@ -50,14 +50,17 @@ def peft_config_from_run(config):
     from peft import LoraConfig
 
     targets = config.lora_target_modules
-    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha_value, lora_dropout=config.lora_dropout,
+    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha_value,
                       target_modules=targets[0] if targets == ("all-linear",) else list(targets), bias="none")
 
 
 def wrap_policy(model: nn.Module, peft_config) -> nn.Module:
     """`get_peft_model`, refusing adapters on the LM head: the packed log-prob head reads `lm_head.weight` directly
-    and never calls the module, so an adapter (or a trainable copy) there would silently not train."""
+    and never calls the module, so an adapter (or a trainable copy) there would silently not train. lora_dropout
+    is forced to 0 like every other dropout (grpo/model.py: RL trains the policy the sampler ran)."""
     from peft import get_peft_model
+
+    from grpo.model import disable_dropout
 
     targets = peft_config.target_modules
     named = [targets] if isinstance(targets, str) else list(targets or [])
@@ -66,6 +69,7 @@ def wrap_policy(model: nn.Module, peft_config) -> nn.Module:
         raise ValueError("PEFT adapters on lm_head are not supported: drop lm_head from target_modules / "
                          "modules_to_save (`all-linear` already leaves it out)")
     peft_model = get_peft_model(model, peft_config)
+    disable_dropout(peft_model)
     if any(is_lora_name(n) and ".lm_head." in f".{n}" for n, _ in peft_model.named_parameters()):
         raise ValueError(f"target_modules={targets!r} matched lm_head, which is not supported; name the "
                          "decoder's linear layers or use `all-linear`")
