@@ -113,7 +113,7 @@ class AsyncRolloutLoop:
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
         """Multi-turn tool loop: render the conversation, sample, run the tool calls it contains, repeat."""
-        from grpo.vllm_client import PromptTooLongError
+        from grpo.vllm_client import AdapterNotLoadedError, PromptTooLongError
 
         messages, completion, turns = list(prompt), [], []
         by_name = {t.__name__: t for t in tools}
@@ -124,8 +124,8 @@ class AsyncRolloutLoop:
             prompt_ids = self._render(messages, schemas)
             try:
                 turn = await self.generate_one_turn(prompt_ids)
-            except PromptTooLongError:
-                break  # the conversation filled max_model_len: the rollout ends here
+            except (PromptTooLongError, AdapterNotLoadedError):
+                break  # the conversation filled max_model_len, or its LoRA version left the staleness window
             turns.append(turn)
             content, tool_calls = parse_tool_calls(self.tokenizer.decode(turn.output_ids, skip_special_tokens=True))
             message: dict[str, Any] = {"role": "assistant", "content": content}
