@@ -298,7 +298,7 @@ class WeightSync:
             raise RuntimeError("WeightSync.sync before init(model): call init once on every rank first")
         t0 = time.perf_counter()
         if self.rank == 0:
-            self.control.pause(mode="keep")
+            self._control_call("pause", version, lambda: self.control.pause(mode="keep"))
         t_paused = time.perf_counter()
         _barrier()
         t_barrier = time.perf_counter()
@@ -311,11 +311,21 @@ class WeightSync:
         t_sent = time.perf_counter()
         _barrier()
         if self.rank == 0:
-            self.control.resume()
+            self._control_call("resume", version, self.control.resume)
         return {"perf/weight_sync_s": time.perf_counter() - t0,
                 "perf/weight_sync_pause_s": t_paused - t0,
                 "perf/weight_sync_barrier_s": t_barrier - t_paused,
                 "perf/weight_sync_transfer_s": t_sent - t_barrier}
+
+    def _control_call(self, what: str, version: int, call) -> None:
+        """POST /pause or /resume; any failure becomes a WeightSyncError naming the URL and the fix."""
+        try:
+            call()
+        except Exception as exc:
+            raise WeightSyncError(f"weight sync to {self.base_url} (version {version}): POST /{what} failed: "
+                                  f"{type(exc).__name__}: {exc}\n  Check that the server is up and reachable "
+                                  f"(GET {self.base_url}/health); a server left paused is resumed by the next run's "
+                                  f"cold sync, or restart it.") from exc
 
     def _transfer(self, version: int) -> None:
         """start -> update -> finish on rank 0, gathers on every rank; on error finish best-effort and raise."""
