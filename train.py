@@ -147,7 +147,10 @@ def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | Non
         sample = worker.get(timeout=1.0)
         if sample is None or (stop_groups is not None and sample.group_id >= stop_groups):
             continue  # groups past the last epoch are generated while the run winds down, never trained
+        oversize = batcher.dropped_oversize_count
         rows = batcher.add(sample)
+        if batcher.dropped_oversize_count > oversize:  # longer than token_budget: logged by the batcher, booked here
+            worker.ledger.dropped(sample.group_id, "oversize")
         if rows is not None:
             # the batch-closing sample starts the next batch and may wait there across a weight sync
             rows, _ = worker.recheck_staleness(rows)
@@ -231,6 +234,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_not_reimported()
     check_model_path(config.model)
+    loss_fn, loss_cfg = get_loss(config.loss_name), LossConfig.from_run_config(config)  # a bad name fails here
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
     info = init_distributed(config.vllm_server_timeout)
@@ -249,7 +253,6 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
-    loss_fn, loss_cfg = get_loss(config.loss_name), LossConfig.from_run_config(config)
 
     resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
     state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": []}
@@ -314,7 +317,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                 worker.set_allowance_from_step(sum(len(s) for s in samples))
                 worker.set_model_version(version)
                 worker.mark_trained(samples)
-                record_prompts(config.output_dir, step, samples, state["prompt_index"], worker.drain_drops())
+                record_prompts(config.output_dir, step, samples, state, worker.drain_drops())
             step_metrics = step_summary(plans, samples, micro, info, time.perf_counter() - t_step, optimizer_s,
                                         sync_metrics, model.config, peak)
             num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
@@ -407,19 +410,22 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
     return out | window.reduce()
 
 
-def record_prompts(output_dir: str, step: int, samples, start_index: int, drops) -> None:
+def record_prompts(output_dir: str, step: int, samples, resumed: dict, drops) -> None:
     """Append which prompt positions (dataset_start_index + group_id) this step trained to trained_prompts.jsonl,
     and the groups dropped since the last step, with the reason, to dropped_prompts.jsonl: the audit trail for
-    epochs and resume (each position is trained in one run only, or recorded as dropped)."""
+    epochs and resume. `resumed_from` is the checkpoint step the run started from: after a resume, records of
+    later steps from the earlier run were rolled back with the model. Each position is trained in one run only,
+    or recorded as dropped."""
     import json
     from pathlib import Path
 
-    positions = sorted({start_index + s.group_id for s in samples})
+    positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
+    run = {"step": step, "resumed_from": resumed["step"]}
     with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "prompts": positions}) + "\n")
+        f.write(json.dumps(run | {"prompts": positions}) + "\n")
     if drops:
         with open(Path(output_dir) / "dropped_prompts.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "prompts": [[p, reason] for p, reason in drops]}) + "\n")
+            f.write(json.dumps(run | {"prompts": [[p, reason] for p, reason in drops]}) + "\n")
 
 
 def log_window(logger, step: int, window: list[dict], worker) -> None:

@@ -262,8 +262,11 @@ class RolloutWorker:
             except queue_lib.Empty:
                 self.process.join(1.0)
                 code = self.process.exitcode
-                trace = (f"no traceback: the process exited with code {code}"
-                         + (f" (killed by signal {-code})" if code is not None and code < 0 else ""))
+                trace = f"no traceback: the process exited with code {code}"
+                if code is not None and code < 0:
+                    trace += (f" (killed by signal {-code}: the out-of-memory killer (check the kernel log, `dmesg`) "
+                              f"or an outside kill; to use less memory lower max_concurrent_rollouts and "
+                              f"score_queue_maxsize, then restart with --resume-from-checkpoint latest)")
             raise RuntimeError(f"rollout worker failed:\n{trace}")
         silent = time.time() - self.shared["heartbeat"].value
         if silent > self.config.rollout_worker_timeout:

@@ -159,9 +159,10 @@ def launch(cfg: ServeConfig, log_path: Path | None = None, timeout: float = 240.
     raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s.\nLog ({log_path}):\n{server.log_tail()}")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (servers, torch.distributed rendezvous, the NCCL weight-transfer group)."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -36,6 +36,8 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from grpo.vllm_server import free_port
+
 _WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "base_layer"}
 _LEADING_WRAPPERS = ("module.", "base_model.model.")
 
@@ -219,12 +221,6 @@ def local_address_towards(base_url: str) -> str:
         return s.getsockname()[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _start_thread(fn, what: str) -> tuple[threading.Thread, dict]:
     """Run `fn` on a daemon thread, joined with a deadline (`_join`): a stuck call must not hang the trainer."""
     result: dict = {}
@@ -283,7 +279,7 @@ class WeightSync:
 
         workers = self.control.world_size()
         address = self.config.master_address or local_address_towards(self.base_url)
-        port = _free_port()
+        port = free_port("")  # every interface: the vLLM workers connect to master_address
         init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": workers + 1,
                      "packed": True, "packed_buffer_size_bytes": self.config.buffer_size_bytes,
                      "packed_num_buffers": self.config.num_buffers}
