@@ -33,7 +33,7 @@ class StepPlan:
 
 def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls):
     """CLI names / import paths -> objects, for everything the Python caller did not pass."""
-    from grpo.queue import resolve_import
+    from grpo.queue import check_picklable, resolve_import
 
     from grpo.data import load_prompts, validate_prompts
     from grpo.rewards import check_reward_columns, resolve_reward
@@ -45,7 +45,7 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
         environment_factory = resolve_import(config.environment_factory)
     if reward_funcs is None:
         names = config.reward_funcs if config.reward_funcs is not None else (
-            () if environment_gives_reward(environment_factory) else ("accuracy",))
+            () if environment_factory is not None else ("accuracy",))
         reward_funcs = [resolve_reward(name) for name in names]
     elif callable(reward_funcs):
         reward_funcs = [reward_funcs]
@@ -67,6 +67,7 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
 
         check_reward_columns(reward_funcs, dataset_columns(train_dataset) - {"prompt"})
     check_tools(tools, environment_factory)
+    check_picklable(reward_funcs, tools, environment_factory, loop_cls)  # they cross into the spawned worker
     return list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls
 
 

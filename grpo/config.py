@@ -43,7 +43,7 @@ class AsyncGRPOConfig:
     """Split to train on."""
     reward_funcs: tuple[str, ...] | None = None
     """Reward functions: registry names (see grpo/rewards.py) or import paths `pkg.module:name`. None = `accuracy`,
-    or none at all when an environment_factory scores episodes with get_reward()."""
+    or none at all with an environment_factory (its get_reward() scores the episodes)."""
     tools: tuple[str, ...] = ()
     """Tool functions by import path `pkg.module:name`."""
     environment_factory: str | None = None

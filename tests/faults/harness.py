@@ -55,7 +55,7 @@ def named_error(seconds: float, fn, *needles: str, expected=Exception, **kwargs)
         if missing or not any(w in text for w in FIX_WORDS):
             raise Silent(f"error does not name {missing or 'a fix'}: {type(exc).__name__}: {exc}") from exc
         return exc
-    raise Silent(f"{getattr(fn, '__name__', fn)} returned without the expected {expected.__name__}")
+    raise Silent(f"{getattr(fn, '__name__', fn)} returned without the expected {expected}")
 
 
 def _chain(exc: BaseException):
