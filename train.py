@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -256,9 +257,10 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                 else contextlib.nullcontext)
 
     resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
-    state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": []}
+    state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
+             "run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"}
     if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, model, optimizer, scheduler)
+        state = ckpt.load_checkpoint(resume_path, model, optimizer, scheduler) | {"run_id": state["run_id"]}
         if info.is_main:
             log.info("resumed from %s at step %d, prompt %d", resume_path, state["step"], state["prompt_index"])
 
@@ -332,6 +334,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                 saved_step = save(step)
         if window:  # the last, partial logging window
             log_window(logger, step, window, worker)
+        if info.is_main:  # drops booked after the last step (e.g. while the epochs ran out)
+            record_prompts(config.output_dir, step, None, state, worker.drain_drops())
         if step == state["step"]:
             raise RuntimeError(no_step_message(worker))
     finally:
@@ -414,16 +418,17 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
 def record_prompts(output_dir: str, step: int, samples, resumed: dict, drops) -> None:
     """Append which prompt positions (dataset_start_index + group_id) this step trained to trained_prompts.jsonl,
     and the groups dropped since the last step, with the reason, to dropped_prompts.jsonl: the audit trail for
-    epochs and resume. `resumed_from` is the checkpoint step the run started from: after a resume, records of
-    later steps from the earlier run were rolled back with the model. Each position is trained in one run only,
-    or recorded as dropped."""
+    epochs and resume. `run` tells runs apart and `resumed_from` is the checkpoint step a run started from: records
+    of the earlier run after that step were rolled back with the model. Each position is trained in one run only,
+    or recorded as dropped. `samples=None` records drops only."""
     import json
     from pathlib import Path
 
-    positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
-    run = {"step": step, "resumed_from": resumed["step"]}
-    with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
-        f.write(json.dumps(run | {"prompts": positions}) + "\n")
+    run = {"step": step, "resumed_from": resumed["step"], "run": resumed["run_id"]}
+    if samples is not None:
+        positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
+        with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps(run | {"prompts": positions}) + "\n")
     if drops:
         with open(Path(output_dir) / "dropped_prompts.jsonl", "a") as f:
             f.write(json.dumps(run | {"prompts": [[p, reason] for p, reason in drops]}) + "\n")

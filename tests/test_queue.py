@@ -188,3 +188,28 @@ def test_worker_streams_scored_samples(vllm_server, tiny_qwen3):
         start = time.monotonic()
         worker.stop()
         assert time.monotonic() - start < 30 and not worker.process.is_alive()
+
+
+def test_groups_dropped_in_a_row_stop_with_the_reason_and_a_kept_sample_resets_the_count(tiny_qwen3):
+    worker = RolloutWorker(config_for(tiny_qwen3, max_dropped_groups_in_a_row=3), [{"prompt": PROMPT}] * 9,
+                           [length_reward])
+    worker._accept(ConsumedGroup(0, "equal_rewards"))
+    worker._accept(ConsumedGroup(1, "unscored"))
+    assert worker._accept(sample(0, group_id=2)) is not None  # a kept group resets the count
+    worker._accept(ConsumedGroup(3, "filtered"))  # filtering is the user's choice, not a missing signal
+    worker._accept(ConsumedGroup(4, "equal_rewards"))
+    worker._accept(ConsumedGroup(5, "equal_rewards"))
+    with pytest.raises(RuntimeError, match="3 groups in a row.*equal_rewards.*rollout.py sample"):
+        worker._accept(ConsumedGroup(6, "unscored"))
+
+
+def test_samples_that_went_stale_in_the_batcher_are_dropped_at_batch_close(tiny_qwen3):
+    """The batch-closing sample starts the next micro-batch and can wait there across a weight sync: staleness
+    is checked again when its batch closes (it could exceed max_staleness by one)."""
+    worker = RolloutWorker(config_for(tiny_qwen3, max_staleness=1), [{"prompt": PROMPT}] * 9, [length_reward])
+    worker.set_model_version(5)
+    rows = [[sample(4, group_id=0), sample(3, group_id=1)], [sample(3, group_id=2)]]
+    kept, dropped = worker.recheck_staleness(rows)
+    assert dropped == 2 and [s.group_id for s in kept[0]] == [0]
+    assert [s.group_id for s in kept[1]] == [-1] and kept[1][0].num_trained == 0  # a dummy keeps the rank busy
+    assert worker.drain_drops() == [(1, "stale"), (2, "stale")] and worker.state_dict()["prompt_index"] == 0

@@ -66,26 +66,19 @@ def _chain(exc: BaseException):
 
 
 def _effective(path: Path) -> list[dict]:
-    """Records in file order; a new run (step not after the previous record) rolls back records after the step
-    it resumed from."""
+    """Records in file order, tagged with a run number; when a new run starts, the records of earlier runs after
+    the step it resumed from are dropped (that training was rolled back with the model)."""
     kept: list[dict] = []
-    last_step, run = None, -1
     if not path.exists():
         return kept
+    current, run = None, -1
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        if last_step is None or record["step"] <= last_step or record.get("resumed_from", 0) != kept_run(kept):
-            if last_step is not None:
-                kept = [r for r in kept if r["step"] <= record.get("resumed_from", 0)]
-            run += 1
-        record["run"] = run
-        kept.append(record)
-        last_step = record["step"]
+        if record.get("run") != current:
+            current, run = record.get("run"), run + 1
+            kept = [r for r in kept if r["step"] <= record.get("resumed_from", 0)]
+        kept.append(record | {"run": run})
     return kept
-
-
-def kept_run(kept: list[dict]) -> int | None:
-    return kept[-1].get("resumed_from", 0) if kept else None
 
 
 def audit(out_dir: Path, resume_point: int) -> dict:
