@@ -324,6 +324,8 @@ def test_step_metrics_follow_the_one_reduction_rule_and_skip_nan():
     from train import StepPlan, step_summary
 
     samples = random_samples(0, groups=1, group_size=2)
+    for s in samples:
+        s.reward = 1.0
     plans = [StepPlan([samples], sum(s.num_trained for s in samples))] * 2
     base = {"_forwarded": 10, "_attn_len": 5.0, "perf/fwd_bwd_s": 0.1, "perf/fwd_s": 0.05}
     micro = [base | {"clip_ratio/low_mean": math.nan, "ratio_max": 1.5, "masked_count": 1.0},
