@@ -63,8 +63,12 @@ def config_for(model_dir, base_url, **kw) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(**(base | kw))
 
 
-def start_worker(model_dir, base_url, rows=ROWS, rewards=(length_reward,), loop_cls=FastPoll, **kw):
-    worker = RolloutWorker(config_for(model_dir, base_url, **kw), rows, list(rewards), loop_cls=loop_cls)
+def start_worker(model_dir, base_url, rows=ROWS, rewards=(length_reward,), loop_cls=FastPoll,
+                 token_allowance: float = 4000.0, **kw):
+    """A real worker; the token allowance stands in for the trainer's backpressure (it idles once that much is
+    queued and nobody pulls)."""
+    worker = RolloutWorker(config_for(model_dir, base_url, **kw), rows, list(rewards), loop_cls=loop_cls,
+                           token_allowance=token_allowance)
     worker.start()
     return worker
 
