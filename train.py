@@ -133,6 +133,67 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
     return {"max_model_len": facts.max_model_len, "dtype": facts.dtype}
 
 
+def build_policy(config: AsyncGRPOConfig, info, token_budget: int):
+    """(model, policy, optimizer, scheduler, autocast): the training side of the run, built the same way for
+    train.py and scripts/bench_step.py.
+
+    Precision: fp32 master weights (`--dtype float32`) with bf16 compute on CUDA go through FSDP2's mixed
+    precision also on one GPU (grpo/distributed.py says why), so no autocast is needed; autocast remains only
+    for a bf16 request the sharding cannot serve (bf16 on fp16 weights)."""
+    import contextlib
+
+    import torch
+
+    from grpo.distributed import shard_model
+    from grpo.gdn import patch_gdn_layers
+    from grpo.memory import checkpointing_fraction, probe_samples
+    from grpo.model import (aux_loss_coef, compile_layer_regions, load_policy, set_gradient_checkpointing,
+                            trainable_parameters)
+    from grpo.policy import PackedPolicy
+    from grpo.tree_attention import select_backend
+    from grpo.trie import pack_samples
+
+    model = load_policy(config.model, config.dtype, config.trust_remote_code, False,
+                        config.router_aux_loss_coef).to(info.device)
+    patch_gdn_layers(model)
+    bf16 = config.bf16 if config.bf16 is not None else info.device.type == "cuda"
+    mixed_precision = bf16 and config.dtype == "float32"
+    if config.compile_layers if config.compile_layers is not None else info.device.type == "cuda":
+        log.info("torch.compile: %d decoder regions (norms, MLPs, rotary)", compile_layer_regions(model))
+    policy = PackedPolicy(model, select_backend(config.attn_backend, info.device), config.temperature,
+                          aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
+    policy = shard_model(policy, info, mixed_precision=mixed_precision)
+    autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))
+                if bf16 and not mixed_precision and config.dtype != "bfloat16" else contextlib.nullcontext)
+
+    def run_probe():  # one worst-case micro-batch through the real policy; its gradients are dropped
+        row = pack_samples(probe_samples(token_budget, model.config.get_text_config().vocab_size)).to(info.device)
+        with autocast():
+            out = policy(row)
+        out.policy_logprobs.float().sum().backward()
+        for p in policy.parameters():
+            p.grad = None
+
+    fraction = checkpointing_fraction(config.gradient_checkpointing, policy, model, info, token_budget, run_probe)
+    set_gradient_checkpointing(model, fraction)
+    optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
+    return model, policy, optimizer, scheduler, autocast
+
+
+def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None) -> tuple:
+    """Clip, step, zero: (grad_norm before clipping, seconds)."""
+    import torch
+
+    from grpo.model import trainable_parameters
+
+    t0 = time.perf_counter()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(policy), max_grad_norm or 1e30)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, time.perf_counter() - t0
+
+
 # ------------------------------------------------------------------------------------------ one micro-batch
 
 def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | None:
@@ -194,7 +255,7 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_cfg, world:
     loss.backward()
     metrics |= {"loss": float(loss.detach()) * grad_accum, "perf/fwd_s": t_fwd,
                 "perf/fwd_bwd_s": _sync_time(t0, device), "_forwarded": row.num_tokens,
-                "_attn_len": row.num_tokens / max(row.num_samples, 1)}
+                "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}
     return metrics
 
 
@@ -214,22 +275,17 @@ def _sync_time(t0: float, device) -> float:
 
 def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=None, environment_factory=None,
          loop_cls=None) -> dict:
-    import contextlib
-
     import torch
 
     from grpo import checkpoint as ckpt
     from grpo.batcher import TokenBudgetBatcher
-    from grpo.distributed import barrier, broadcast_object, init_distributed, shard_model
+    from grpo.distributed import barrier, broadcast_object, init_distributed
     from grpo.flops import device_peak_flops
-    from grpo.gdn import patch_gdn_layers
     from grpo.losses import LossConfig, get_loss
     from grpo.metrics import MetricsLogger
-    from grpo.model import aux_loss_coef, load_policy, load_tokenizer, trainable_parameters
-    from grpo.policy import PackedPolicy
+    from grpo.model import load_tokenizer
     from grpo.queue import RolloutWorker, staleness_allowance
     from grpo.repro import write_repro_bundle
-    from grpo.tree_attention import select_backend
     from grpo.weight_sync import WeightSync, WeightSyncConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -245,16 +301,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     budget = config.token_budget or facts["max_model_len"]
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    model = load_policy(config.model, config.dtype, config.trust_remote_code, config.gradient_checkpointing,
-                        config.router_aux_loss_coef).to(info.device)
-    patch_gdn_layers(model)
-    bf16 = config.bf16 if config.bf16 is not None else info.device.type == "cuda"
-    policy = PackedPolicy(model, select_backend(config.attn_backend, info.device), config.temperature,
-                          aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
-    policy = shard_model(policy, info, mixed_precision=bf16 and config.dtype == "float32")
-    optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
-    autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16
-                else contextlib.nullcontext)
+    model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget)
 
     resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
     state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
@@ -304,12 +351,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             # the last step of the epochs may close fewer micro-batches: they are trained, normalised by their count
             micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, loss_cfg, info.world_size,
                                        len(plans), autocast) for p in plans]
-            t_opt = time.perf_counter()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(policy), config.max_grad_norm or 1e30)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            optimizer_s = time.perf_counter() - t_opt
+            grad_norm, optimizer_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
             step += 1
             sync_metrics = {}
             if step % config.weight_sync_steps == 0:
@@ -375,13 +417,14 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
     import numpy as np
 
     from grpo.distributed import all_reduce_sum
-    from grpo.flops import mfu
+    from grpo.flops import mfu, training_flops
     from grpo.metrics import MetricsWindow
 
     forwarded = all_reduce_sum(sum(m["_forwarded"] for m in micro), info)
+    flops = training_flops(model_config, forwarded, all_reduce_sum(sum(m["_attended_keys"] for m in micro), info),
+                           all_reduce_sum(sum(m["_head_tokens"] for m in micro), info))
     trained = sum(p.trained_tokens for p in plans)
     fwd_bwd_s = sum(m["perf/fwd_bwd_s"] for m in micro)
-    attn_len = float(np.mean([m["_attn_len"] for m in micro]))
     out = {"batch/forwarded_tokens_per_step": forwarded, "batch/trained_tokens_per_step": trained,
            "batch/samples_per_step": len(samples), "batch/groups_per_step": len({s.group_id for s in samples}),
            "batch/microbatches_per_step": len(plans), "batch/masked_token_frac": 1 - trained / max(forwarded, 1),
@@ -396,7 +439,7 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
            "perf/wall_clock_forwarded_tokens_per_s": forwarded / step_s,
            "perf/wall_clock_trained_tokens_per_s": trained / step_s} | sync_metrics
     for name, value in (("perf/fwd_bwd_mfu", fwd_bwd_s), ("perf/wall_clock_mfu", step_s)):
-        m = mfu(model_config, forwarded, attn_len, value, peak, info.world_size)
+        m = mfu(flops, value, peak, info.world_size)
         if m is not None:
             out[name] = m
     for p in plans:

@@ -3,7 +3,7 @@
 Only fields this trainer acts on are here; each docstring is the `--help` text. Derived values are properties.
 A subclass with extra fields (e.g. a curriculum threshold read by a custom rollout loop) works as in the spec:
 pass an instance to `train.main(config, ...)`, or `python train.py --config-cls pkg.module:MyConfig ...` on the CLI
-(the first argument; the class must subclass AsyncGRPOConfig).
+(a `@dataclass` subclass of AsyncGRPOConfig; its fields become flags).
 """
 
 from __future__ import annotations
@@ -29,10 +29,14 @@ class AsyncGRPOConfig:
     """MoE load-balancing loss weight; None = the model config's value, 0 disables. Errors on a dense model."""
     attn_backend: Literal["auto", "flash_varlen", "flex", "sdpa"] = "auto"
     """Tree-attention backend: auto picks FlashAttention varlen / FlexAttention on CUDA, the SDPA reference on CPU."""
-    gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass."""
+    gradient_checkpointing: Literal["auto", "true", "false"] = "auto"
+    """Recompute activations in the backward pass. auto: measured before the first step with a worst-case
+    micro-batch; off when the peak fits the GPU, otherwise just enough layers to fit (selective); off on CPU."""
     bf16: bool | None = None
-    """bf16 autocast for forward/backward; None = on when CUDA is available."""
+    """bf16 compute for forward/backward (fp32 masters, FSDP2 mixed precision); None = on when CUDA is available."""
+    compile_layers: bool | None = None
+    """torch.compile each decoder layer's norms, MLP and rotary embedding (fused elementwise work);
+    None = on when CUDA is available."""
 
     # ---- data --------------------------------------------------------------------------------------------------
     dataset: str | None = None

@@ -19,11 +19,13 @@ def load_prompts(name_or_path: str, split: str = "train", require_prompt: bool =
 
     `require_prompt=False` is for an environment_factory whose `reset()` provides the prompt (spec).
     """
-    import datasets
-
     if name_or_path.startswith("builtin:"):
         dataset = builtin_dataset(name_or_path.removeprefix("builtin:"))
-    elif Path(name_or_path).is_file():
+        validate_prompts(dataset, name_or_path, require_prompt)
+        return dataset
+    import datasets
+
+    if Path(name_or_path).is_file():
         path = Path(name_or_path)
         builder = _LOCAL_BUILDERS.get(path.suffix.lower())
         if builder is None:
@@ -103,10 +105,9 @@ BUILTIN_TASKS = {"letters": letters_rows}
 """`--dataset builtin:<name>` -> row builder; each task has a same-named reward in grpo/rewards.py."""
 
 
-def builtin_dataset(name: str):
-    import datasets
-
+def builtin_dataset(name: str) -> list[dict[str, Any]]:
+    """A built-in task's rows as a plain list (no `datasets` import: the GPU machines' images lack it)."""
     if name not in BUILTIN_TASKS:
         raise ValueError(f"unknown built-in task {name!r}: choose one of {sorted(BUILTIN_TASKS)} "
                          f"(e.g. --dataset builtin:letters --reward-funcs letters)")
-    return datasets.Dataset.from_list(BUILTIN_TASKS[name]())
+    return BUILTIN_TASKS[name]()

@@ -54,9 +54,19 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, info: DistInfo, mixed_precision: bool) -> torch.nn.Module:
-    """FSDP2 over all ranks (no-op for one process). Parameters stay fp32 masters; bf16 compute when asked."""
-    if info.world_size == 1:
+    """FSDP2 over all ranks. Parameters stay fp32 masters; bf16 compute when asked.
+
+    One process without mixed precision: a no-op. One process WITH mixed precision still goes through FSDP2
+    (a 1-rank group): its MixedPrecisionPolicy casts each layer's weights to bf16 once per forward and keeps the
+    whole activation path (residual stream, norms, the LM head's input) in bf16, where autocast would leave the
+    residual stream and the head in fp32 (embeddings are not autocast). Same numerics on 1 GPU and on N.
+    """
+    if info.world_size == 1 and not mixed_precision:
         return model
+    if info.world_size == 1 and not dist.is_initialized():
+        backend = "nccl" if info.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=info.device if info.device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None

@@ -11,8 +11,9 @@ inside one custom autograd.Function whose backward recomputes each chunk's logit
 one chunk of [chunk, V] logits alive (the naive path keeps several [M, V] tensors for the backward).
 
 Numerics: the logit matmul runs in the hidden states' dtype (what the model's own lm_head would do, and what vLLM
-does), logits are upcast to float32 before the softmax, and the LM-head gradient is accumulated over chunks in
-float32 and cast back once.
+does), logits are upcast to float32 before the softmax, and the LM-head gradient's matmuls run in the hidden
+states' dtype too (bf16 tensor cores under mixed precision) while their sum over chunks is kept in float32 and
+cast back once.
 """
 
 from __future__ import annotations
@@ -172,9 +173,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if need_hidden:
                     grad_hidden[rows] = grad_logits.to(hidden.dtype) @ compute_weight
                 if need_weight:
-                    grad_weight.addmm_(grad_logits.T.to(grad_dtype), hidden[rows].to(grad_dtype))
+                    _accumulate_weight_grad(grad_weight, grad_logits.T.to(hidden.dtype), hidden[rows])
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _accumulate_weight_grad(acc: Tensor, grad_logits_t: Tensor, hidden: Tensor) -> None:
+    """acc [V, H] (fp32) += grad_logits_t [V, c] @ hidden [c, H], the product taken in the hidden states' dtype.
+
+    bf16 operands run on the tensor cores; CUDA's `mm(out_dtype=float32)` keeps the product's fp32 accumulator
+    (no bf16 rounding of a chunk's sum), elsewhere the product is rounded to bf16 once per chunk, as any bf16
+    linear's weight gradient is. fp32 hidden states (CPU tests) keep the exact fp32 path."""
+    if grad_logits_t.dtype == acc.dtype:
+        acc.addmm_(grad_logits_t, hidden)
+    elif acc.is_cuda and _MM_OUT_DTYPE[0]:
+        try:
+            acc.add_(torch.mm(grad_logits_t, hidden, out_dtype=acc.dtype))
+        except (TypeError, RuntimeError, NotImplementedError):  # torch without mm(out_dtype=) on this device
+            _MM_OUT_DTYPE[0] = False
+            acc.add_(grad_logits_t @ hidden)
+    else:
+        acc.add_(grad_logits_t @ hidden)
+
+
+_MM_OUT_DTYPE = [True]
 
 
 def _chunk_grad_logits(logits: Tensor, index: Tensor, support: Tensor | None, lse: Tensor, grad: Tensor,

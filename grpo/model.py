@@ -31,8 +31,14 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
 
 def load_policy(name: str, dtype: str = "float32", trust_remote_code: bool = False,
-                gradient_checkpointing: bool = True, router_aux_loss_coef: float | None = None):
-    """The trainable model, its text decoder frozen-or-not split applied, ready for tree-packed forwards."""
+                gradient_checkpointing: bool = False, router_aux_loss_coef: float | None = None):
+    """The trainable model, its text decoder frozen-or-not split applied, ready for tree-packed forwards.
+
+    Train/eval semantics: the model is put in train mode (so gradient checkpointing and any training-only code
+    path are live) with every dropout probability forced to 0. RL on sampled data trains the policy the sampler
+    ran: dropout would make the trainer's log-probs a different, noisier policy than vLLM's (which never drops),
+    and the importance ratios would carry that noise.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -46,10 +52,77 @@ def load_policy(name: str, dtype: str = "float32", trust_remote_code: bool = Fal
     if is_vlm_config(config):
         frozen = freeze_non_text(model)
         log.info("VLM checkpoint: trained text-only, %d parameters outside the text model frozen", frozen)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    disable_dropout(model)
+    model.train()
+    set_gradient_checkpointing(model, 1.0 if gradient_checkpointing else 0.0)
     model.config.use_cache = False
     return model
+
+
+def disable_dropout(model) -> int:
+    """p = 0 on every dropout module and attention-dropout config field; returns how many were non-zero."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p, changed = 0.0, changed + 1
+        if hasattr(module, "attention_dropout") and isinstance(module.attention_dropout, float):
+            changed += module.attention_dropout > 0
+            module.attention_dropout = 0.0
+    for cfg in (model.config, getattr(model.config, "text_config", None)):
+        for key in ("attention_dropout", "hidden_dropout", "dropout"):
+            if cfg is not None and getattr(cfg, key, None):
+                setattr(cfg, key, 0.0)
+    if changed:
+        log.info("dropout disabled in %d modules (RL trains the policy the sampler ran)", changed)
+    return changed
+
+
+def set_gradient_checkpointing(model, fraction: float) -> int:
+    """Checkpoint the first round(fraction x L) decoder layers (0 = off, 1 = all: selective in between);
+    returns how many layers recompute their activations in the backward pass.
+
+    transformers checkpoints a layer only when the layer's `gradient_checkpointing` flag is set AND the model
+    is in train mode, so the flag is set per layer after enabling it model-wide."""
+    from grpo.distributed import decoder_layers
+
+    layers = decoder_layers(model)
+    count = max(0, min(len(layers), round(fraction * len(layers))))
+    if count:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    for i, layer in enumerate(layers):
+        if hasattr(layer, "gradient_checkpointing"):
+            layer.gradient_checkpointing = i < count
+    return count
+
+
+def compile_layer_regions(model) -> int:
+    """torch.compile the elementwise-heavy regions of every decoder layer: the dense MLP (SiLU x mul fused with
+    its casts), the RMSNorms (one kernel instead of ~8 fp32 passes) and the rotary embedding. Attention (tree
+    layouts), Gated DeltaNet and MoE routing stay eager. dynamic=True: packed rows change length every
+    micro-batch, static shapes would recompile each time. Returns the number of compiled modules."""
+    import sys
+
+    from grpo.distributed import decoder_layers
+
+    compiled = 0
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    mlps = [layer.mlp for layer in decoder_layers(model)
+            if hasattr(layer, "mlp") and type(layer.mlp).__name__.endswith("MLP")]
+    for module in norms + mlps:
+        module.compile(dynamic=True)
+        compiled += 1
+    for layer in decoder_layers(model):  # rotary embedding: a module-level function of the modelling file
+        attn = getattr(layer, "self_attn", None)
+        modeling = sys.modules.get(type(attn).__module__) if attn is not None else None
+        rope = getattr(modeling, "apply_rotary_pos_emb", None)
+        if rope is not None and not hasattr(rope, "_grpo_compiled"):
+            fast = torch.compile(rope, dynamic=True)
+            fast._grpo_compiled = True
+            modeling.apply_rotary_pos_emb = fast
+            compiled += 1
+    return compiled
 
 
 def _is_moe(config) -> bool:

@@ -90,6 +90,12 @@ class CPUFileWeightTransferEngine(_Engine):
     def shutdown(self) -> None:
         return None
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """Abstract on the engine base in vLLM 0.26 (a trainer-side helper there); the trainer side of cpu_file is
+        grpo/weight_sync.py, so the server never calls this."""
+        raise NotImplementedError("the cpu_file trainer side is grpo.weight_sync.WeightSync(mode='cpu_file')")
+
 
 def _repack_cpu_moe(model) -> None:
     """Redo the CPU grouped-GEMM prepack of every MoE layer after a weight update (cpu_vllm.md, section 8).

@@ -63,7 +63,7 @@ def test_missing_prompt_column_and_bad_messages(tmp_path):
 
 def test_builtin_task_dataset_and_registry_reward_pair():
     dataset = load_prompts("builtin:letters")
-    assert len(dataset) >= 100 and "task" in dataset.column_names
+    assert len(dataset) >= 100 and "task" in dataset[0]
     assert len({row["prompt"][0]["content"] for row in dataset}) > 50  # distinct prompts
     assert resolve_reward("letters") is letters_reward
     with pytest.raises(ValueError, match="builtin:letters"):

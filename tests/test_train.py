@@ -327,7 +327,7 @@ def test_step_metrics_follow_the_one_reduction_rule_and_skip_nan():
     for s in samples:
         s.reward = 1.0
     plans = [StepPlan([samples], sum(s.num_trained for s in samples))] * 2
-    base = {"_forwarded": 10, "_attn_len": 5.0, "perf/fwd_bwd_s": 0.1, "perf/fwd_s": 0.05}
+    base = {"_forwarded": 10, "_attended_keys": 50, "_head_tokens": 10, "perf/fwd_bwd_s": 0.1, "perf/fwd_s": 0.05}
     micro = [base | {"clip_ratio/low_mean": math.nan, "ratio_max": 1.5, "masked_count": 1.0},
              base | {"clip_ratio/low_mean": 0.25, "ratio_max": 2.0, "masked_count": 2.0}]
     out = step_summary(plans, samples, micro, SimpleNamespace(world_size=1, rank=0), 1.0, 0.1, {},

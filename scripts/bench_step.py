@@ -1,0 +1,354 @@
+"""The trainer step `train.py` runs, timed: trained tokens/s, MFU, peak memory and where the time goes.
+
+    python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 3.4            # 1 GPU: tree and plain, side by side
+    python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 --set compile_layers=false gradient_checkpointing=true
+    torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
+
+Nothing here re-implements the step: the model is written to disk (random weights at a public shape) and loaded by
+`train.build_policy` (from_pretrained, dropout off, regional compile, FSDP2 mixed precision, gradient-checkpointing
+policy, fused AdamW), micro-batches come from the real `TokenBudgetBatcher` fed with synthetic groups, and each
+step is `train.train_micro_batch` + `train.optimizer_step` with the run's default loss. Workloads (bench_packing's):
+groups of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4` shares each group's prompt (trie
+packing ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to share). Mode `plain` packs the
+same samples without prefix sharing (the baseline the trie is measured against; a bench-only switch).
+
+Columns: trained tok/s (completion tokens trained per second: the comparable number across modes), forwarded
+tok/s, MFU (grpo/flops.py: causal attention, head on trained tokens only, peak 989 TFLOP/s bf16), peak GiB, and
+the breakdown of a step in ms: fwd, bwd (fwd+bwd - fwd), head (the chunked log-prob head alone, fwd+bwd, timed in
+isolation on the same shapes), opt (clip + AdamW), host (the rest of the step: batching, packing, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+QWEN3 = dict(vocab_size=151_936, tie_word_embeddings=True, num_key_value_heads=8, head_dim=128)
+SHAPES = {  # public configs' text stacks
+    "Qwen3-0.6B": ("qwen3", dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16)),
+    "Qwen3-1.7B": ("qwen3", dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16)),
+    "Qwen3.5-2B": ("qwen3_5", dict(vocab_size=248_320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                                   linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                                   linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+                                   tie_word_embeddings=True)),
+    "tiny": ("qwen3", dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    "tiny-qwen3.5": ("qwen3_5", dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                     linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                                     layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                     tie_word_embeddings=False)),
+}
+
+
+def write_model(shape: str, out: Path) -> Path:
+    """Random weights at `shape`, saved with save_pretrained (bf16 on disk; the trainer loads fp32 masters)."""
+    import torch
+    import transformers as tf
+
+    path = out / shape
+    if (path / "config.json").exists():
+        return path
+    kind, text = SHAPES[shape]
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "qwen3":
+        cfg = tf.Qwen3Config(**text)
+        build = tf.Qwen3ForCausalLM
+    else:  # the VLM class users load for Qwen/Qwen3.5-*, with a small frozen vision tower
+        vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
+                      patch_size=16, num_position_embeddings=64)
+        v = text["vocab_size"]
+        cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=v - 4, video_token_id=v - 3,
+                               vision_start_token_id=v - 2, vision_end_token_id=v - 1,
+                               tie_word_embeddings=text["tie_word_embeddings"])
+        build = tf.Qwen3_5ForConditionalGeneration
+    with torch.device(device):
+        model = build(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+def synthetic_groups(vocab: int, shared: bool, top_k: int, group_size=8, prompt_len=1068, completion_len=256,
+                     seed=0):
+    """Endless groups as the rollout worker delivers them (one advantage per rollout, the sampler's top-k ids and
+    log-probs at trained positions when the loss asks for them)."""
+    import numpy as np
+
+    from grpo.samples import TrainingSample
+
+    rng, np_rng, group_id = random.Random(seed), np.random.default_rng(seed), 0
+    length = prompt_len + completion_len
+    while True:
+        prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
+        for _ in range(group_size):
+            p = prompt if shared else [rng.randrange(10, vocab) for _ in range(prompt_len)]
+            ids = p + [rng.randrange(10, vocab) for _ in range(completion_len)]
+            top_ids = top_logp = None
+            if top_k:
+                top_ids = np.full((length, top_k), -1, dtype=np.int64)
+                top_ids[prompt_len:] = np_rng.integers(10, vocab, (completion_len, top_k))
+                top_logp = np.full((length, top_k), -np.inf, dtype=np.float32)
+                top_logp[prompt_len:] = np.sort(np_rng.uniform(-8, -0.1, (completion_len, top_k)))[:, ::-1]
+            yield TrainingSample(ids, [0] * prompt_len + [1] * completion_len, [-1.0] * length,
+                                 rng.uniform(-1, 1), group_id, 0, sampler_top_ids=top_ids,
+                                 sampler_top_logprobs=top_logp)
+        group_id += 1
+
+
+@contextlib.contextmanager
+def plain_packing():
+    """Bench-only: pack and budget rows with no prefix sharing (the padding-free baseline)."""
+    import grpo.batcher as batcher
+    import grpo.trie as trie
+
+    pack, shared = trie.pack_samples, batcher._Row.shared_nodes
+    trie.pack_samples = lambda samples, share_prefixes=True: pack(samples, share_prefixes=False)
+    batcher._Row.shared_nodes = lambda self, marked: 0
+    try:
+        yield
+    finally:
+        trie.pack_samples, batcher._Row.shared_nodes = pack, shared
+
+
+def head_ms(model, m: int, reps: int = 5) -> float:
+    """The chunked log-prob head alone (fwd + bwd) on M trained positions, at the model's compute dtype."""
+    import torch
+
+    from grpo.logprobs import policy_token_logprobs
+    from grpo.tree_attention import lm_head_weight
+
+    if not torch.cuda.is_available() or m == 0:
+        return float("nan")
+    w = lm_head_weight(model).detach()
+    w = (w.full_tensor() if hasattr(w, "full_tensor") else w).to(torch.bfloat16).requires_grad_(True)
+    h = torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, w.shape[0], (m,), device=w.device)
+    times = []
+    for i in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logp, _, _ = policy_token_logprobs(h, w, targets, 1.0)
+        logp.sum().backward()
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, info) -> dict:
+    import torch
+
+    from grpo.batcher import TokenBudgetBatcher
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import broadcast_object
+    from grpo.flops import device_peak_flops, mfu, training_flops
+    from grpo.losses import LossConfig, get_loss
+    from train import StepPlan, build_policy, optimizer_step, train_micro_batch
+
+    config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=args.token_budget),
+                                 **overrides)
+    cuda = info.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with plain_packing() if mode == "plain" else contextlib.nullcontext():
+        t_build = time.perf_counter()
+        model, policy, optimizer, scheduler, autocast = build_policy(config, info, args.token_budget)
+        build_s = time.perf_counter() - t_build
+        loss_fn, loss_cfg = get_loss(config.loss_name), LossConfig.from_run_config(config)
+        batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
+        vocab = model.config.get_text_config().vocab_size
+        top_k = config.num_sampler_logprobs if config.loss_name == "score_centering" else 0
+        source = synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k)
+
+        def next_plan():
+            if not info.is_main:
+                return None
+            while (rows := batcher.add(next(source))) is None:
+                pass
+            return StepPlan(rows, sum(s.num_trained for r in rows for s in r), batcher.last_stats.as_metrics())
+
+        totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0)
+        for step in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            plan = broadcast_object(next_plan(), info)
+            m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, loss_cfg, info.world_size, 1,
+                                  autocast)
+            _, opt_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
+            if cuda:
+                torch.cuda.synchronize()
+            if step < args.warmup:
+                continue
+            totals["wall"] += time.perf_counter() - t0
+            totals["trained"] += plan.trained_tokens
+            totals["raw"] += sum(len(s) for r in plan.rows for s in r)
+            totals["forwarded"] += m["_forwarded"]
+            totals["attended"] += m["_attended_keys"]
+            totals["head"] += m["_head_tokens"]
+            totals["fwd"] += m["perf/fwd_s"]
+            totals["fwd_bwd"] += m["perf/fwd_bwd_s"]
+            totals["opt"] += opt_s
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    n = args.steps
+    flops = training_flops(model.config, totals["forwarded"], totals["attended"], totals["head"])
+    result = {
+        "shape": args.shape, "ratio": ratio, "mode": mode, "overrides": overrides, "ranks": info.world_size,
+        "packing_ratio": totals["raw"] / max(totals["forwarded"], 1),
+        "trained_tok_s": totals["trained"] / totals["wall"],
+        "forwarded_tok_s": totals["forwarded"] * info.world_size / totals["wall"],
+        "mfu": mfu(flops * info.world_size if flops else None, totals["wall"], device_peak_flops(info.device),
+                   info.world_size),
+        "peak_gib": peak_gib, "build_s": build_s,
+        "checkpointed_layers": sum(bool(getattr(l, "gradient_checkpointing", False))
+                                   for l in _layers(model)),
+        "fwd_ms": 1e3 * totals["fwd"] / n, "bwd_ms": 1e3 * (totals["fwd_bwd"] - totals["fwd"]) / n,
+        "head_ms": head_ms(model, totals["head"] // n), "opt_ms": 1e3 * totals["opt"] / n,
+        "host_ms": 1e3 * (totals["wall"] - totals["fwd_bwd"] - totals["opt"]) / n,
+    }
+    del model, policy, optimizer, scheduler
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int = 0) -> dict:
+    """The fast path's tree-packed log-probs (train.build_policy, no grad) against per-sample forwards of an fp32
+    eager copy of the same checkpoint (4 rollouts sharing a 300-token prompt, 60-token completions), next to the
+    error an eager bf16 per-sample forward makes against the same fp32 reference: bf16 tolerance, measured."""
+    import torch
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.model import load_policy
+    from grpo.trie import pack_samples
+    from train import build_policy
+
+    config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=2048), **overrides)
+    _, policy, *_ = build_policy(config, info, 2048)
+    ref = load_policy(str(model_dir), "float32").to(info.device)
+    vocab = ref.config.get_text_config().vocab_size
+    samples = [s for s, _ in zip(synthetic_groups(vocab, True, 0, group_size=4, prompt_len=300, completion_len=60,
+                                                  seed=seed), range(4))]
+    row = pack_samples(samples).to(info.device)
+
+    def per_sample(model) -> torch.Tensor:
+        refs = []
+        for s in samples:
+            ids = torch.tensor(s.input_ids, device=info.device)[None]
+            logits = model(input_ids=ids, use_cache=False).logits[0].float() / config.temperature
+            pos = torch.tensor([i for i, m in enumerate(s.completion_mask) if m and i > 0], device=info.device)
+            refs.append(torch.log_softmax(logits[pos - 1], -1).gather(-1, ids[0, pos][:, None])[:, 0])
+        return torch.cat(refs)
+
+    with torch.no_grad():
+        packed = policy(row).policy_logprobs.float()[torch.argsort(row.sample_id, stable=True)]
+        fp32 = per_sample(ref)
+        bf16 = per_sample(ref.to(torch.bfloat16)) if info.device.type == "cuda" else fp32
+    diff, bf16_diff = (packed - fp32).abs(), (bf16 - fp32).abs()
+    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()), "terms": int(diff.numel()),
+            "eager_bf16_max_abs_diff": float(bf16_diff.max()), "eager_bf16_mean_abs_diff": float(bf16_diff.mean())}
+
+
+def _layers(model):
+    from grpo.distributed import decoder_layers
+
+    return decoder_layers(model)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """key=value pairs for AsyncGRPOConfig; values parsed as JSON where they parse (true, 3, 0.5), else strings."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+        if key == "gradient_checkpointing":
+            out[key] = str(value).lower()
+    return out
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'shape':<12} {'ratio':>5} {'mode':<6} {'set':<28} {'pack':>5} {'trained/s':>10} {'fwd tok/s':>10} "
+          f"{'MFU':>6} {'peak GiB':>8} {'ckpt':>4} {'fwd':>7} {'bwd':>7} {'head':>7} {'opt':>6} {'host':>6}")
+    for r in results:
+        mfu_s = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        sets = ",".join(f"{k}={v}" for k, v in r["overrides"].items()) or "defaults"
+        print(f"{r['shape']:<12} {r['ratio']:>5} {r['mode']:<6} {sets:<28} {r['packing_ratio']:>5.2f} "
+              f"{r['trained_tok_s']:>10.0f} {r['forwarded_tok_s']:>10.0f} {mfu_s:>6} {r['peak_gib']:>8.1f} "
+              f"{r['checkpointed_layers']:>4} {r['fwd_ms']:>7.0f} {r['bwd_ms']:>7.0f} {r['head_ms']:>7.0f} "
+              f"{r['opt_ms']:>6.0f} {r['host_ms']:>6.0f}")
+    by_key = {(r["ratio"], r["mode"], json.dumps(r["overrides"])): r for r in results}
+    for (ratio, mode, sets), r in by_key.items():
+        plain = by_key.get((ratio, "plain", sets))
+        if mode == "tree" and plain:
+            print(f"tree / plain at ratio {ratio} ({sets}): {r['trained_tok_s'] / plain['trained_tok_s']:.2f}x "
+                  "trained tokens/s")
+
+
+def main() -> None:
+    import logging
+
+    from grpo.distributed import init_distributed
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="Qwen3-1.7B")
+    p.add_argument("--ratio", type=float, nargs="+", default=[1.0, 3.4])
+    p.add_argument("--modes", nargs="+", default=["tree", "plain"], choices=["tree", "plain"])
+    p.add_argument("--set", nargs="*", default=[], action="append", metavar="KEY=VALUE",
+                   help="config overrides for one extra variant (repeat --set for several variants; "
+                        "the defaults always run first)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/bench_step_models"))
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--check", action="store_true",
+                   help="first compare the fast path's packed log-probs with per-sample forwards (bf16 on GPU)")
+    p.add_argument("--skip-defaults", action="store_true", help="run only the --set variants")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    info = init_distributed()
+    model_dir = write_model(args.shape, args.model_dir) if info.is_main else None
+    from grpo.distributed import barrier, broadcast_object
+
+    barrier(info)
+    model_dir = Path(broadcast_object(str(model_dir) if model_dir else None, info))
+    if args.check:
+        check = check_packed_vs_unpacked(model_dir, info, {})
+        if info.is_main:
+            print(f"CHECK {args.shape} packed vs per-sample log-probs: {json.dumps(check)}", flush=True)
+    variants = ([] if args.skip_defaults else [{}]) + [parse_overrides(s) for s in args.set if s]
+    results = []
+    for overrides in variants:
+        for ratio in args.ratio:
+            for mode in args.modes if ratio > 1.5 or not overrides else ["tree"]:
+                r = run_case(model_dir, ratio, mode, overrides, args, info)
+                results.append(r)
+                if info.is_main:
+                    print("RESULT " + json.dumps(r), flush=True)
+    if info.is_main:
+        print_table(results)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

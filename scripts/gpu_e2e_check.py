@@ -1,0 +1,134 @@
+"""Checks for scripts/gpu_e2e.sh: one training run against a real vLLM server on the same GPU, judged from the
+outside (its metrics, its checkpoint, the server's own logprobs). Prints PASS/FAIL per check and an async-vs-sync
+table when two runs are given; exits 1 if any check fails.
+
+    python scripts/gpu_e2e_check.py --server http://127.0.0.1:8000 --initial /tmp/models/qwen3-0.6b \
+        --run outputs/e2e_sync --max-staleness 0 --steps 20 [--compare-with outputs/e2e_async]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PROMPT = [151644, 872, 198, 12480, 448, 6364, 4244, 1172, 13, 151645, 198, 151644, 77091, 198]
+COMPLETION = [785, 4226, 374, 264, 3460, 1879, 315, 4244, 323, 11931, 13, 151645]
+
+
+def server_logprobs(url: str, model: str, ids: list[int]) -> torch.Tensor:
+    """The server's processed log-prob of every token after the first (prompt_logprobs, T = 1)."""
+    import httpx
+
+    body = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}).json()
+    entries = body["choices"][0]["prompt_logprobs"][1:]
+    return torch.tensor([entries[i][str(t)]["logprob"] for i, t in enumerate(ids[1:])])
+
+
+def model_logprobs(path, ids: list[int], dtype=torch.float32) -> torch.Tensor:
+    """The same quantity from a checkpoint, on the GPU (fp32 unless asked)."""
+    from grpo.model import load_policy
+
+    model = load_policy(str(path), "float32").to(device="cuda", dtype=dtype).eval()
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([ids], device="cuda")).logits[0].float().log_softmax(-1)
+    out = logp[:-1].gather(-1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0].cpu()
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def total(rows, key) -> float:
+    return float(sum(r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])))
+
+
+def mean(rows, key) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary(run: Path) -> dict:
+    rows = metrics(run)
+    wall = json.loads((run / "wall.json").read_text())["wall_s"] if (run / "wall.json").exists() else float("nan")
+    step_s = total(rows, "perf/step_s")
+    wait = total(rows, "perf/rollout_wait_s")
+    return {"run": run.name, "steps": len(rows), "wall_s": wall, "train_loop_s": step_s, "rollout_wait_s": wait,
+            "trainer_busy_frac": 1 - wait / step_s if step_s else float("nan"),
+            "backpressure_s": total(rows, "rollout/backpressure_s"),
+            "gen_tok_s": mean(rows, "rollout/generated_tokens_per_s"),
+            "trained_tok_s": mean(rows, "perf/wall_clock_trained_tokens_per_s"),
+            "weight_sync_s": mean(rows, "perf/weight_sync_s"),
+            "staleness_max": max((r.get("sample/staleness_max") or 0 for r in rows), default=0),
+            "reward_first": mean(rows[:5], "reward"), "reward_last": mean(rows[-5:], "reward")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--server", required=True)
+    p.add_argument("--initial", required=True, type=Path)
+    p.add_argument("--run", required=True, type=Path)
+    p.add_argument("--compare-with", type=Path, default=None, help="the async run this (synchronous) run is "
+                   "compared with")
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--steps", type=int, required=True)
+    args = p.parse_args()
+    results: list[tuple[str, bool, str]] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        results.append((name, bool(ok), detail))
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+    rows = metrics(args.run)
+    s = summary(args.run)
+    check("rollouts flow", len(rows) == args.steps and s["gen_tok_s"] > 0,
+          f"{len(rows)} logged steps of {args.steps}, generation {s['gen_tok_s']:.0f} tok/s")
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    check("trainer trains", losses and all(math.isfinite(x) for x in losses) and total(rows, "grad_norm") > 0,
+          f"{len(losses)} finite losses, mean grad_norm {mean(rows, 'grad_norm'):.3g}, "
+          f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}")
+    syncs = sum(1 for r in rows if r.get("perf/weight_sync_s") is not None)
+    check("a sync every step", syncs == len(rows), f"{syncs} syncs logged over {len(rows)} steps, "
+          f"{s['weight_sync_s']:.2f} s each")
+    check("staleness within bound", s["staleness_max"] <= args.max_staleness,
+          f"sample/staleness_max {s['staleness_max']} <= {args.max_staleness}")
+    check("metrics written", (args.run / "metrics.jsonl").exists() and any((args.run / "tensorboard").glob("*")),
+          "metrics.jsonl + tensorboard events")
+    final = sorted(args.run.glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))[-1]
+    ids = PROMPT + COMPLETION
+    served = server_logprobs(args.server, str(args.initial), ids)
+    trained, initial = model_logprobs(final, ids), model_logprobs(args.initial, ids)
+    noise = (model_logprobs(final, ids, torch.bfloat16) - trained).abs().mean()  # bf16 vs fp32, same weights
+    d_trained, d_initial = (served - trained).abs(), (served - initial).abs()
+    check("server == trainer after the last sync (bf16 tolerance)",
+          d_trained.mean() <= 2 * noise + 0.01 and d_trained.mean() < 0.5 * d_initial.mean(),
+          f"|server - {final.name}| mean {d_trained.mean():.4f} max {d_trained.max():.4f} (bf16 floor "
+          f"{noise:.4f}); |server - initial model| mean {d_initial.mean():.4f}")
+    if args.compare_with is not None:
+        s, c = summary(args.compare_with), s  # c: this synchronous run
+        keys = list(s)
+        print("\nasync vs sync (same model, steps, data):")
+        print(" | ".join(f"{k}" for k in keys))
+        for r in (s, c):
+            print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+        print(f"wall-time ratio sync/async: {c['wall_s'] / s['wall_s']:.2f}x; "
+              f"train-loop ratio: {c['train_loop_s'] / s['train_loop_s']:.2f}x")
+        print("SUMMARY " + json.dumps({"async": s, "sync": c}))
+    failed = [n for n, ok, _ in results if not ok]
+    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
