@@ -144,6 +144,7 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
         # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
         # into a pipe nobody reads.
         shared["samples"].cancel_join_thread()
+        shared["metrics"].cancel_join_thread()  # undrained metrics must not block the exit either
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then die
         shared["exceptions"].put(format_exception(exc))
         shared["failed"].set()
@@ -225,17 +226,18 @@ class RolloutWorker:
                 return
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._reader_stop.set()
         if self.process is None:
+            self._reader_stop.set()
             return
         self.shared["stop"].set()
-        self.process.join(timeout)
+        self.process.join(timeout)  # the reader keeps draining meanwhile, so the worker never blocks on a full pipe
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5.0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        self._reader_stop.set()
 
     # ---- shared values -------------------------------------------------------------------------------------------
     def set_model_version(self, version: int) -> None:

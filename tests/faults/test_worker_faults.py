@@ -50,10 +50,11 @@ class FastPoll(AsyncRolloutLoop):
 
 
 class IdleLoop(AsyncRolloutLoop):
-    async def setup(self):
+    async def setup(self):  # alive and beating, never generating, until the trainer stops it
         import asyncio
 
-        await asyncio.sleep(3600)
+        while not self._stopping():
+            await asyncio.sleep(0.2)
 
 
 def config_for(model_dir, base_url, **kw) -> AsyncGRPOConfig:
