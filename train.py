@@ -5,7 +5,8 @@ loop: pull samples, pack them as prefix tries (one row per rank), forward/backwa
 push weights to vLLM every `weight_sync_steps`, log, checkpoint.
 
 Python API: `train.main(config, reward_funcs=[fn], train_dataset=ds, tools=[...], environment_factory=Env,
-loop_cls=MyLoop)`; every argument left None is taken from the config (registry names or `pkg.module:name`).
+loop_cls=MyLoop, peft_config=LoraConfig(...))`; every argument left None is taken from the config (registry names,
+`pkg.module:name`, the `lora_*` fields).
 """
 
 from __future__ import annotations
@@ -116,13 +117,14 @@ def build_optimizer(params, config: AsyncGRPOConfig):
 def server_facts(config: AsyncGRPOConfig) -> dict:
     """Rank 0 reads what the run needs from the server once (max_model_len, dtype), rejects a server whose
     logprobs are not the sampler's, and warns on mismatches."""
-    from grpo.vllm_client import VLLMControl
+    from grpo.vllm_client import ServerFacts, VLLMControl
 
     with VLLMControl(config.vllm_server_base_url, timeout=config.vllm_server_timeout) as control:
         control.wait_ready(progress_every=config.progress_interval_s)
         if control.is_paused():  # a previous trainer died mid-sync; the cold sync rewrites every weight
             log.warning("the vLLM server was left paused (a previous run stopped mid-sync?); the cold sync resumes it")
-        facts = control.facts()
+        server_info = control.server_info()
+        facts = ServerFacts.from_server_info(server_info, control.max_model_len())
     facts.check(config.vllm_server_base_url)
     if facts.dtype and config.dtype != "auto" and facts.dtype != config.dtype:
         log.warning("server dtype %s != trainer dtype %s: the train/inference mismatch will show as importance "
@@ -130,12 +132,14 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
     if config.uses_truncated_sampling and not facts.return_sampling_mask:
         log.warning("top_k/top_p/min_p sampling without --return-sampling-mask: trainer log-probs stay normalised "
                     "over the full vocabulary, so importance ratios are biased by the kept mass")
-    return {"max_model_len": facts.max_model_len, "dtype": facts.dtype}
+    from grpo.lora import server_lora_facts
+
+    return {"max_model_len": facts.max_model_len, "dtype": facts.dtype, "lora": server_lora_facts(server_info)}
 
 
-def build_policy(config: AsyncGRPOConfig, info, token_budget: int):
+def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=None):
     """(model, policy, optimizer, scheduler, autocast): the training side of the run, built the same way for
-    train.py and scripts/bench_step.py.
+    train.py and scripts/bench_step.py. `model` is the PEFT model when `peft_config` (or `--lora-r`) is given.
 
     Precision: fp32 master weights (`--dtype float32`) with bf16 compute on CUDA go through FSDP2's mixed
     precision also on one GPU (grpo/distributed.py says why), so no autocast is needed; autocast remains only
@@ -146,6 +150,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int):
 
     from grpo.distributed import shard_model
     from grpo.gdn import patch_gdn_layers
+    from grpo.lora import packed_forward_module, peft_config_from_run, wrap_policy
     from grpo.memory import checkpointing_fraction, probe_samples
     from grpo.model import (aux_loss_coef, compile_layer_regions, load_policy, set_gradient_checkpointing,
                             trainable_parameters)
@@ -155,13 +160,15 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int):
 
     model = load_policy(config.model, config.dtype, config.trust_remote_code, False,
                         config.router_aux_loss_coef).to(info.device)
+    if (peft_config := peft_config or peft_config_from_run(config)) is not None:
+        model = wrap_policy(model, peft_config)
     patch_gdn_layers(model)
     bf16 = config.bf16 if config.bf16 is not None else info.device.type == "cuda"
     mixed_precision = bf16 and config.dtype == "float32"
     if config.compile_layers if config.compile_layers is not None else info.device.type == "cuda":
         log.info("torch.compile: %d decoder regions (norms, MLPs, rotary)", compile_layer_regions(model))
-    policy = PackedPolicy(model, select_backend(config.attn_backend, info.device), config.temperature,
-                          aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
+    policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
+                          config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
     policy = shard_model(policy, info, mixed_precision=mixed_precision)
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))
                 if bf16 and not mixed_precision and config.dtype != "bfloat16" else contextlib.nullcontext)
@@ -175,7 +182,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int):
             p.grad = None
 
     fraction = checkpointing_fraction(config.gradient_checkpointing, policy, model, info, token_budget, run_probe)
-    set_gradient_checkpointing(model, fraction)
+    set_gradient_checkpointing(packed_forward_module(model), fraction)
     optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
     return model, policy, optimizer, scheduler, autocast
 
@@ -274,13 +281,14 @@ def _sync_time(t0: float, device) -> float:
 # ------------------------------------------------------------------------------------------ the run
 
 def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=None, environment_factory=None,
-         loop_cls=None) -> dict:
+         loop_cls=None, peft_config=None) -> dict:
     import torch
 
     from grpo import checkpoint as ckpt
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import barrier, broadcast_object, init_distributed
     from grpo.flops import device_peak_flops
+    from grpo.lora import adapter_versions_for, choose_sync_mode
     from grpo.losses import LossConfig, get_loss
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
@@ -301,7 +309,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     budget = config.token_budget or facts["max_model_len"]
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget)
+    model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget, peft_config)
 
     resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
     state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
@@ -313,7 +321,10 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
 
     mode = config.weight_transfer if config.weight_transfer != "auto" else (
         "nccl" if info.device.type == "cuda" else "cpu_file")
-    sync = WeightSync(config.vllm_server_base_url, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout))
+    adapter = adapter_versions_for(config, choose_sync_mode(config.lora_sync, model, facts["lora"],
+                                                            config.max_staleness))
+    sync = WeightSync(config.vllm_server_base_url, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout),
+                      adapter=adapter)
     sync.init(model)
     version = state["model_version"] + 1
     sync.sync(model, version)  # cold sync: the first rollouts already come from this policy
@@ -325,7 +336,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
-                               skip_positions=state.get("consumed_above", []),
+                               skip_positions=state.get("consumed_above", []), lora_name=adapter and adapter.name,
                                token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
                                                                    * config.gradient_accumulation_steps))
         worker.start()

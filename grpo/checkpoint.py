@@ -130,6 +130,13 @@ def _to_model_names(model, state: dict, path: Path) -> dict:
     names = set(unwrap(model).state_dict().keys())
     if set(state) <= names:
         return state
+    adapter = getattr(unwrap(model), "active_adapter", None)
+    if isinstance(adapter, str) and (path / "adapter_config.json").exists():
+        # A PEFT checkpoint holds the adapter only, saved without the adapter name: `...q_proj.lora_A.weight` is
+        # `...q_proj.lora_A.<adapter>.weight` in the model. The frozen base comes from `model` as loaded.
+        renamed = {re.sub(r"\.(lora_[^.]+)\.", rf".\1.{adapter}.", k): v for k, v in state.items()}
+        if set(renamed) <= names:
+            return renamed
     from grpo.model import load_policy
 
     converted = load_policy(str(path), "float32", gradient_checkpointing=False).state_dict()

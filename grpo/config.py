@@ -38,6 +38,20 @@ class AsyncGRPOConfig:
     """torch.compile each decoder layer's norms, MLP and rotary embedding (fused elementwise work);
     None = on when CUDA is available."""
 
+    # ---- PEFT / LoRA -----------------------------------------------------------------------------------------------
+    lora_r: int = 0
+    """> 0: train a LoRA adapter of this rank instead of the full model (Python API: `peft_config=LoraConfig(...)`
+    replaces the lora_* fields). Checkpoints then hold the adapter (PEFT format)."""
+    lora_alpha: float | None = None
+    """LoRA scaling numerator (scale = alpha / r); None = 2 x lora_r."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """Modules that get an adapter: `all-linear` (every linear layer but the LM head) or module names."""
+    lora_sync: Literal["auto", "merged", "adapter"] = "auto"
+    """How a PEFT policy reaches vLLM. auto: adapter-only when the server runs --enable-lora (runtime LoRA),
+    merged weights otherwise; adapter: fail at start unless the server can serve it; merged: always merge."""
+    lora_name: str = "grpo"
+    """Adapter sync: versions are served as `<lora_name>-v<N>` from `<output_dir>/.vllm_lora/`."""
+
     # ---- data --------------------------------------------------------------------------------------------------
     dataset: str | None = None
     """Hub dataset name or local json/jsonl/parquet path; `builtin:<task>` for the built-in synthetic tasks.
@@ -164,6 +178,10 @@ class AsyncGRPOConfig:
     @property
     def epsilon_high_value(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def lora_alpha_value(self) -> float:
+        return 2.0 * self.lora_r if self.lora_alpha is None else self.lora_alpha
 
     @property
     def loss_name(self) -> str:

@@ -22,6 +22,7 @@ from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TurnRecord
 from grpo.scheduler import RolloutScheduler, model_version_var
 
 __all__ = ["AsyncRolloutLoop", "ConsumedGroup"]
+_model_version = model_version_var  # the name tests and older subclasses import
 
 
 class AsyncRolloutLoop(RolloutScheduler):
@@ -55,7 +56,7 @@ class AsyncRolloutLoop(RolloutScheduler):
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
         """Multi-turn tool loop: render the conversation, sample, run the tool calls it contains, repeat."""
-        from grpo.vllm_client import PromptTooLongError
+        from grpo.vllm_client import AdapterNotLoadedError, PromptTooLongError
 
         messages, completion, turns = list(prompt), [], []
         by_name = {t.__name__: t for t in tools}
@@ -72,6 +73,8 @@ class AsyncRolloutLoop(RolloutScheduler):
                     raise
                 self._push("tools/context_full_count", 1)
                 break  # tool results filled max_model_len: the conversation ends here, its turns are trained
+            except AdapterNotLoadedError:
+                break  # the LoRA version of this group left the staleness window
             turns.append(turn)
             content, tool_calls = parse_tool_calls(self.tokenizer.decode(turn.output_ids, skip_special_tokens=True))
             message: dict[str, Any] = {"role": "assistant", "content": content}

@@ -40,6 +40,11 @@ class VLLMServerError(RuntimeError):
         super().__init__(f"{text}\n  Fix: {hint}" if hint else text)
 
 
+class AdapterNotLoadedError(LookupError):
+    """A request named a LoRA adapter the server no longer serves: with adapter sync, the version it started under
+    left the staleness window (its samples would be dropped as stale), so the rollout ends here."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt already fills the server's max_model_len: no token can be generated (ends the rollout)."""
 
@@ -200,6 +205,10 @@ class VLLMControl:
 
     def unload_lora_adapter(self, name: str) -> None:
         self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the runtime LoRA adapters registered now (`/v1/models` entries with a `parent`)."""
+        return [str(m["id"]) for m in self.models()["data"] if m.get("parent")]
 
     def close(self) -> None:
         self._http.close()
@@ -477,9 +486,14 @@ class VLLMClient:
                     "seed": self._seeds.getrandbits(63) if seed is None else seed}
         if min_p is not None:
             sampling["min_p"] = min_p
-        if use_generate_endpoint:
-            return await self._generate_tokens(prompt_ids, sampling, num_logprobs, model or self.model)
-        return await self._complete(prompt_ids, sampling, num_logprobs, model or self.model)
+        send = self._generate_tokens if use_generate_endpoint else self._complete
+        try:
+            return await send(prompt_ids, sampling, num_logprobs, model or self.model)
+        except VLLMServerError as exc:
+            if exc.status == 404 and model not in (None, self.model):
+                raise AdapterNotLoadedError(f"LoRA adapter {model!r} is not loaded on {self.base_url} (unloaded "
+                                            f"when it left the staleness window): {exc.message}") from exc
+            raise
 
     async def _complete(self, prompt_ids: list[int], sampling: dict, num_logprobs: int, model: str) -> TurnRecord:
         body = {"model": model, "prompt": list(prompt_ids), **sampling, "logprobs": num_logprobs,

@@ -13,6 +13,12 @@ version 1 [TRL]). The caller publishes `version` after `sync` returns. The proto
     rank 0: POST /finish_weight_update {"weight_version": str(version)}
     all:    barrier;  rank 0: POST /resume
 
+A PEFT policy is sent merged: each LoRA delta (scale x B @ A) is added to its gathered base weight as it is sent,
+so the server serves exactly the trained policy and the trainer's own weights are never modified (PEFT's in-place
+merge is wrong on FSDP2 shards). Unless `adapter` is given (grpo/lora.py): then each sync writes the adapter in PEFT
+format and registers it through vLLM's runtime LoRA route as `<name>-v<version>`, without pausing generation
+(running requests keep the adapter they named), and unloads the version that left the staleness window.
+
 Names are HF checkpoint names, what vLLM's `load_weights` expects: wrapper prefixes are stripped and transformers'
 in-memory conversions (e.g. fused MoE experts `mlp.experts.gate_up_proj`) are reverted with the same
 `revert_weight_conversion` that `save_pretrained` uses. Frozen parameters (a VLM's vision tower) are not sent; the
@@ -105,6 +111,8 @@ class _Group:
     shapes: list[list[int]] = field(default_factory=list)
     dtypes: list[torch.dtype] = field(default_factory=list)
     """What this group becomes after reverting transformers' conversions (checkpoint names, in send order)."""
+    lora: dict = field(default_factory=dict)
+    """in-memory checkpoint-style name -> LoRA terms merged into it when sent (grpo.lora.LoraTerm)."""
 
 
 def _revert(hf_model: nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,6 +131,8 @@ class SendPlan:
     hf_model: nn.Module | None
     send_dtype: torch.dtype | None
     has_dtensors: bool
+    peft_merge: bool = False
+    """The adapter is not plain LoRA: merge it into the model with PEFT around the transfer (one process only)."""
 
     @property
     def manifest(self) -> dict:
@@ -142,6 +152,8 @@ class SendPlan:
         with torch.no_grad():
             for group in self.groups:
                 full = {name: _materialize(param) for name, param in group.params}
+                for name, terms in group.lora.items():
+                    full[name] = full[name] + sum(t.delta(_materialize) for t in terms).to(full[name].dtype)
                 reverted = _revert(self.hf_model, full)
                 for name, dtype in zip(group.names, group.dtypes):
                     tensor = reverted[name].to(dtype=self._wire_dtype(dtype))
@@ -163,12 +175,20 @@ def build_plan(model: nn.Module, send_dtype: torch.dtype | None = None) -> SendP
     hf_model = _hf_model(model)
     named = list((hf_model or model).named_parameters())
     peft = any(is_adapter_param(name) for name, _ in named)
+    terms = {}
+    if peft:
+        from grpo.lora import lora_terms
+
+        terms = lora_terms(hf_model or model)
     groups: dict[str, _Group] = {}
     for raw_name, param in named:
         if is_adapter_param(raw_name) or not (param.requires_grad or peft):
             continue
         name = checkpoint_name(raw_name)
-        groups.setdefault(_group_key(name), _Group(params=[])).params.append((name, param))
+        group = groups.setdefault(_group_key(name), _Group(params=[]))
+        group.params.append((name, param))
+        if terms and raw_name in terms:
+            group.lora[name] = terms[raw_name]
     if not groups:
         raise ValueError("no parameter to send: every parameter is frozen (requires_grad=False)")
 
@@ -186,10 +206,14 @@ def build_plan(model: nn.Module, send_dtype: torch.dtype | None = None) -> SendP
         # A conversion spans groups: revert the whole model at once (more memory, still correct).
         merged = _Group(params=[p for g in groups.values() for p in g.params], names=list(everything),
                         shapes=[list(t.shape) for t in everything.values()],
-                        dtypes=[t.dtype for t in everything.values()])
+                        dtypes=[t.dtype for t in everything.values()],
+                        lora={n: t for g in groups.values() for n, t in g.lora.items()})
         groups = {"": merged}
     has_dtensors = any(isinstance(p, DTensor) for g in groups.values() for _, p in g.params)
-    return SendPlan(list(groups.values()), hf_model, send_dtype, has_dtensors)
+    if terms is None and has_dtensors:
+        raise ValueError("merged sync of a sharded PEFT model supports plain LoRA linears only (no DoRA, embedding or "
+                         "convolution adapters, no other PEFT methods): change the peft_config")
+    return SendPlan(list(groups.values()), hf_model, send_dtype, has_dtensors, peft_merge=terms is None)
 
 
 # ---- the protocol -----------------------------------------------------------------------------------------------
@@ -248,8 +272,9 @@ def _join(thread: threading.Thread, result: dict, timeout: float, what: str):
 class WeightSync:
     """Trainer side of the weight sync; create one on every rank (only rank 0 talks to the server)."""
 
-    def __init__(self, base_url: str, config: WeightSyncConfig = WeightSyncConfig()):
+    def __init__(self, base_url: str, config: WeightSyncConfig = WeightSyncConfig(), adapter=None):
         self.base_url, self.config = base_url, config
+        self.adapter = adapter  # grpo.lora.AdapterVersions: adapter-only sync to an --enable-lora server
         self.rank, self.world_size = _dist_rank_world()
         self.control = None
         self.group = None
@@ -261,6 +286,9 @@ class WeightSync:
 
     def init(self, model: nn.Module) -> None:
         """Once, on every rank, before the first sync: plan the tensors and open the transfer channel."""
+        if self.adapter is not None:
+            self._init_adapter()
+            return
         send_dtype = None
         if self.rank == 0:
             send_dtype = (getattr(torch, self.config.server_dtype) if self.config.server_dtype
@@ -290,6 +318,8 @@ class WeightSync:
 
     def sync(self, model: nn.Module, version: int) -> dict[str, float]:
         """Push the current weights; the server serves `version` afterwards. Returns perf/weight_sync_* seconds."""
+        if self.adapter is not None:
+            return self._sync_adapter(model, version)
         if self.plan is None:
             raise RuntimeError("WeightSync.sync before init(model): call init once on every rank first")
         t0 = time.perf_counter()
@@ -298,7 +328,7 @@ class WeightSync:
         t_paused = time.perf_counter()
         _barrier()
         t_barrier = time.perf_counter()
-        merged = _merge_adapter(model)
+        merged = self.plan.peft_merge and _merge_adapter(model)
         try:
             self._transfer(version)
         finally:
@@ -375,6 +405,37 @@ class WeightSync:
         finally:
             os.unlink(path)
 
+    def _init_adapter(self) -> None:
+        """Unload this name's adapters an earlier run left registered, and their directories."""
+        if self.rank == 0:
+            prefix = f"{self.adapter.name}-v"
+            for name in self.control.lora_adapters():
+                if name.startswith(prefix):
+                    self.control.unload_lora_adapter(name)
+            self.adapter.clear()
+        _barrier()
+
+    def _sync_adapter(self, model: nn.Module, version: int) -> dict[str, float]:
+        """Gather the adapter (every rank), write `<name>-v<version>/`, load it, then unload the version that left
+        the window. No pause: the weights a running request uses never change."""
+        from grpo.lora import adapter_tensors
+
+        t0 = time.perf_counter()
+        tensors = adapter_tensors(model)
+        t_gathered = time.perf_counter()
+        if self.rank == 0:
+            try:
+                path = self.adapter.write(version, tensors, model.peft_config[model.active_adapter])
+                self.control.load_lora_adapter(self.adapter.served_name(version), str(path))
+                for old in self.adapter.loaded_version(version):
+                    self.control.unload_lora_adapter(self.adapter.served_name(old))
+            except Exception as exc:
+                raise WeightSyncError(f"adapter sync to {self.base_url} (version {version}) failed: {exc}") from exc
+        t_sent = time.perf_counter()
+        _barrier()
+        return {"perf/weight_sync_s": time.perf_counter() - t0, "perf/weight_sync_pause_s": 0.0,
+                "perf/weight_sync_transfer_s": t_sent - t_gathered}
+
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
@@ -384,7 +445,7 @@ class WeightSync:
 
 
 def _merge_adapter(model: nn.Module) -> bool:
-    """PEFT without adapter sync sends merged weights: merge now, unmerge after the transfer (vllm.md 5.2)."""
+    """A PEFT adapter that is not plain LoRA is merged by PEFT for the transfer and unmerged after."""
     if callable(getattr(model, "merge_adapter", None)) and callable(getattr(model, "unmerge_adapter", None)):
         model.merge_adapter()
         return True
