@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -40,28 +41,62 @@ class StepPlan:
 def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls):
     """CLI names / import paths -> objects, for everything the Python caller did not pass."""
     from grpo.imports import resolve_import
+    from grpo.queue import check_picklable
 
-    if reward_funcs is None:
-        from grpo.rewards import resolve_reward
+    from grpo.data import load_prompts, validate_prompts
+    from grpo.rewards import check_reward_columns, resolve_reward
+    from grpo.tools import check_tools, environment_gives_reward
 
-        reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
-    elif callable(reward_funcs):
-        reward_funcs = [reward_funcs]
     if tools is None:
         tools = [resolve_import(path) for path in config.tools]
     if environment_factory is None and config.environment_factory:
         environment_factory = resolve_import(config.environment_factory)
+    if reward_funcs is None:
+        names = config.reward_funcs if config.reward_funcs is not None else (
+            () if environment_factory is not None else ("accuracy",))
+        reward_funcs = [resolve_reward(name) for name in names]
+    elif callable(reward_funcs):
+        reward_funcs = [reward_funcs]
     if loop_cls is None and config.loop_cls:
         loop_cls = resolve_import(config.loop_cls)
     dataset_name = config.dataset if config.dataset is not None else (
         None if environment_factory else DEFAULT_DATASET)
     if train_dataset is None and dataset_name is not None:
-        from grpo.data import load_prompts
-
-        train_dataset = load_prompts(dataset_name, config.dataset_split)
+        train_dataset = load_prompts(dataset_name, config.dataset_split, require_prompt=environment_factory is None)
+    else:  # the Python API's dataset gets the same checks as a loaded one
+        validate_prompts(train_dataset, "train_dataset", require_prompt=environment_factory is None)
     if train_dataset is None and config.max_steps <= 0:
         raise ValueError("without a dataset the environment owns the data: set --max-steps to bound the run")
+    if not reward_funcs and not environment_gives_reward(environment_factory) and loop_cls is None:
+        raise ValueError("nothing scores the rollouts: pass reward functions (--reward-funcs NAME or "
+                         "reward_funcs=[fn]) or an environment_factory whose class defines get_reward()")
+    if train_dataset is not None:
+        from grpo.data import dataset_columns
+
+        check_reward_columns(reward_funcs, dataset_columns(train_dataset) - {"prompt"})
+    check_tools(tools, environment_factory)
+    check_picklable(reward_funcs, tools, environment_factory, loop_cls)  # they cross into the spawned worker
     return list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls
+
+
+def check_model_path(model: str) -> None:
+    """A `--model` that is a filesystem path must exist (named before anything contacts the server)."""
+    from pathlib import Path
+
+    looks_like_path = model.startswith(("/", ".", "~")) or model.count("/") > 1
+    if looks_like_path and not Path(model).expanduser().exists():
+        raise FileNotFoundError(f"--model {model!r} is a path that does not exist; pass a local save_pretrained "
+                                f"directory or a Hub id like Qwen/Qwen3-0.6B")
+
+
+def check_not_reimported() -> None:
+    """Under the spawn start method the rollout worker re-imports the script that called train.main; without an
+    `if __name__ == "__main__":` guard it would load the model again and push a cold sync to the live server."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        raise RuntimeError("train.main was called while a child process imported your script (the rollout worker "
+                           "is spawned): put the call under `if __name__ == \"__main__\":`")
 
 
 def build_optimizer(params, config: AsyncGRPOConfig):
@@ -86,27 +121,26 @@ def build_optimizer(params, config: AsyncGRPOConfig):
 
 
 def server_facts(config: AsyncGRPOConfig) -> dict:
-    """Rank 0 reads what the run needs from the server once (max_model_len, dtype) and warns on mismatches."""
-    from grpo.vllm_client import VLLMControl
+    """Rank 0 reads what the run needs from the server once (max_model_len, dtype), rejects a server whose
+    logprobs are not the sampler's, and warns on mismatches."""
+    from grpo.vllm_client import ServerFacts, VLLMControl
 
-    control = VLLMControl(config.vllm_server_base_url, timeout=config.vllm_server_timeout)
-    control.wait_ready()
-    if control.is_paused():  # a previous trainer died between pause and resume; the cold sync rewrites every weight
-        log.warning("the vLLM server was left paused (a previous run stopped mid-sync?); the cold sync resumes it")
-    info = control.server_info()
-    model_cfg = info.get("vllm_config", {}).get("model_config", {})
-    dtype = str(model_cfg.get("dtype", "")).replace("torch.", "")
-    if dtype and config.dtype != "auto" and dtype != config.dtype:
+    with VLLMControl(config.vllm_server_base_url, timeout=config.vllm_server_timeout) as control:
+        control.wait_ready(progress_every=config.progress_interval_s)
+        if control.is_paused():  # a previous trainer died mid-sync; the cold sync rewrites every weight
+            log.warning("the vLLM server was left paused (a previous run stopped mid-sync?); the cold sync resumes it")
+        server_info = control.server_info()
+        facts = ServerFacts.from_server_info(server_info, control.max_model_len())
+    facts.check(config.vllm_server_base_url)
+    if facts.dtype and config.dtype != "auto" and facts.dtype != config.dtype:
         log.warning("server dtype %s != trainer dtype %s: the train/inference mismatch will show as importance "
-                    "ratios away from 1 (restart vllm serve with --dtype %s)", dtype, config.dtype, config.dtype)
-    if config.uses_truncated_sampling and not model_cfg.get("return_sampling_mask"):
+                    "ratios away from 1 (restart vllm serve with --dtype %s)", facts.dtype, config.dtype, config.dtype)
+    if config.uses_truncated_sampling and not facts.return_sampling_mask:
         log.warning("top_k/top_p/min_p sampling without --return-sampling-mask: trainer log-probs stay normalised "
                     "over the full vocabulary, so importance ratios are biased by the kept mass")
     from grpo.lora import server_lora_facts
 
-    facts = {"max_model_len": control.max_model_len(), "dtype": dtype, "lora": server_lora_facts(info)}
-    control.close()
-    return facts
+    return {"max_model_len": facts.max_model_len, "dtype": facts.dtype, "lora": server_lora_facts(server_info)}
 
 
 def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=None):
@@ -182,13 +216,22 @@ def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | Non
             rows = batcher.flush()
             if rows is None:
                 return None
-            break
+            rows, _ = worker.recheck_staleness(rows)
+            if any(s.group_id >= 0 for row in rows for s in row):
+                break
+            continue
         sample = worker.get(timeout=1.0)
         if sample is None or (stop_groups is not None and sample.group_id >= stop_groups):
             continue  # groups past the last epoch are generated while the run winds down, never trained
+        oversize = batcher.dropped_oversize_count
         rows = batcher.add(sample)
+        if batcher.dropped_oversize_count > oversize:  # longer than token_budget: logged by the batcher, booked here
+            worker.ledger.dropped(sample.group_id, "oversize")
         if rows is not None:
-            break
+            # the batch-closing sample starts the next batch and may wait there across a weight sync
+            rows, _ = worker.recheck_staleness(rows)
+            if any(s.group_id >= 0 for row in rows for s in row):
+                break
     stats = batcher.last_stats.as_metrics()
     stats["batch/dropped_oversize_count"] = batcher.dropped_oversize_count
     batcher.dropped_oversize_count = 0
@@ -279,27 +322,30 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.losses import loss_function
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
-    from grpo.queue import RolloutWorker
+    from grpo.queue import RolloutWorker, staleness_allowance
     from grpo.repro import write_repro_bundle
     from grpo.weight_sync import WeightSync, WeightSyncConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    info = init_distributed(config.vllm_server_timeout)
-    torch.manual_seed(config.seed)
+    check_not_reimported()
+    check_model_path(config.model)
+    loss_fn = loss_function(config.loss)  # an options class without a registered loss fails here
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
+    info = init_distributed(config.vllm_server_timeout)
+    torch.manual_seed(config.seed)
     facts = broadcast_object(server_facts(config) if info.is_main else None, info)
     budget = config.token_budget or facts["max_model_len"]
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget, peft_config)
-    loss_fn = loss_function(config.loss)
 
     resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
-    state = {"prompt_index": 0, "model_version": 0, "step": 0}
+    state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
+             "run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"}
     if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, model, optimizer, scheduler)
+        state = ckpt.load_checkpoint(resume_path, model, optimizer, scheduler) | {"run_id": state["run_id"]}
         if info.is_main:
             log.info("resumed from %s at step %d, prompt %d", resume_path, state["step"], state["prompt_index"])
 
@@ -320,9 +366,9 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
-                               lora_name=adapter and adapter.name,
-                               token_allowance=max(config.max_staleness, 1) * budget * info.world_size
-                               * config.gradient_accumulation_steps)
+                               skip_positions=state.get("consumed_above", []), lora_name=adapter and adapter.name,
+                               token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
+                                                                   * config.gradient_accumulation_steps))
         worker.start()
         if config.max_steps <= 0:
             stop_groups = config.epoch_prompts(len(dataset)) - state["prompt_index"]
@@ -340,13 +386,12 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     try:
         while config.max_steps <= 0 or step < config.max_steps:
             t_step = time.perf_counter()
-            plans = [broadcast_object(plan_micro_batch(worker, batcher, stop_groups) if info.is_main else None, info)
-                     for _ in range(config.gradient_accumulation_steps)]
-            if any(p is None for p in plans):
+            plans = plan_step(worker, batcher, stop_groups, config.gradient_accumulation_steps, info)
+            if not plans:
                 break
+            # the last step of the epochs may close fewer micro-batches: they are trained, normalised by their count
             micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, config.loss, info.world_size,
-                                       config.gradient_accumulation_steps, autocast, config.max_completion_length)
-                     for p in plans]
+                                       len(plans), autocast, config.max_completion_length) for p in plans]
             grad_norm, optimizer_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
             step += 1
             sync_metrics = {}
@@ -355,10 +400,10 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                 sync_metrics = sync.sync(model, version)
             samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
             if info.is_main:
-                worker.set_token_allowance(max(config.max_staleness, 1) * sum(len(s) for s in samples))
+                worker.set_allowance_from_step(sum(len(s) for s in samples))
                 worker.set_model_version(version)
-                worker.mark_trained(s.group_id for s in samples)
-                record_trained_prompts(config.output_dir, step, samples, state["prompt_index"])
+                worker.mark_trained(samples)
+                record_prompts(config.output_dir, step, samples, state, worker.drain_drops())
             step_metrics = step_summary(plans, samples, micro, info, time.perf_counter() - t_step, optimizer_s,
                                         sync_metrics, model.config, peak)
             num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
@@ -370,6 +415,12 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                 window = []
             if config.save_strategy == "steps" and step % config.save_steps == 0:
                 saved_step = save(step)
+        if window:  # the last, partial logging window
+            log_window(logger, step, window, worker)
+        if info.is_main:  # drops booked after the last step (e.g. while the epochs ran out)
+            record_prompts(config.output_dir, step, None, state, worker.drain_drops())
+        if step == state["step"]:
+            raise RuntimeError(no_step_message(worker))
     finally:
         if worker is not None:
             worker.stop()
@@ -381,6 +432,26 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     return {"step": step, "model_version": version, "output_dir": config.output_dir}
 
 
+def plan_step(worker, batcher, stop_groups, grad_accum: int, info) -> list[StepPlan]:
+    """Up to `grad_accum` micro-batch plans, decided on rank 0 and broadcast; fewer (or none) at the end of data."""
+    from grpo.distributed import broadcast_object
+
+    plans = []
+    for _ in range(grad_accum):
+        plan = broadcast_object(plan_micro_batch(worker, batcher, stop_groups) if info.is_main else None, info)
+        if plan is None:
+            break
+        plans.append(plan)
+    return plans
+
+
+def no_step_message(worker) -> str:
+    drops = dict(worker.ledger.drop_counts) if worker is not None else "see rank 0"
+    return (f"the run ended without a single optimizer step: every group was dropped ({drops}; equal_rewards = all "
+            f"rollouts of a prompt scored the same, unscored = every reward None/NaN). Check the reward functions "
+            f"with `python rollout.py sample`, or raise num_generations / num_train_epochs")
+
+
 def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics, model_config, peak) -> dict:
     """Per-step metrics with the spec's names (batch/*, sample/*, perf/*), summed over ranks where they are counts;
     loss and sampling metrics over every rank's micro-batches (mean, or the extreme for max/min names)."""
@@ -388,6 +459,7 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
 
     from grpo.distributed import all_reduce_sum
     from grpo.flops import mfu, training_flops
+    from grpo.metrics import MetricsWindow
 
     forwarded = all_reduce_sum(sum(m["_forwarded"] for m in micro), info)
     flops = training_flops(model_config, forwarded, all_reduce_sum(sum(m["_attended_keys"] for m in micro), info),
@@ -421,28 +493,35 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
         gathered = [None] * info.world_size
         dist.all_gather_object(gathered, losses)
         losses = [m for rank_losses in gathered for m in rank_losses]
-    for key in {k for m in losses for k in m}:
-        values = [m[key] for m in losses if key in m]
-        out[key] = max(values) if "max" in key.rsplit("/", 1)[-1] else (
-            min(values) if "min" in key.rsplit("/", 1)[-1] else float(np.mean(values)))
-    return out
+    window = MetricsWindow()  # the one reduction rule (by name), NaNs dropped
+    for m in losses:
+        window.extend(m.items())
+    return out | window.reduce()
 
 
-def record_trained_prompts(output_dir: str, step: int, samples, start_index: int) -> None:
-    """Append which prompt positions (dataset_start_index + group_id) this step trained: an audit trail for
-    epochs and resume (each prompt is trained once per epoch, across restarts)."""
+def record_prompts(output_dir: str, step: int, samples, resumed: dict, drops) -> None:
+    """Append which prompt positions (dataset_start_index + group_id) this step trained to trained_prompts.jsonl,
+    and the groups dropped since the last step, with the reason, to dropped_prompts.jsonl: the audit trail for
+    epochs and resume. `run` tells runs apart and `resumed_from` is the checkpoint step a run started from: records
+    of the earlier run after that step were rolled back with the model. Each position is trained in one run only,
+    or recorded as dropped. `samples=None` records drops only."""
     import json
     from pathlib import Path
 
-    positions = sorted({start_index + s.group_id for s in samples})
-    with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "prompts": positions}) + "\n")
+    run = {"step": step, "resumed_from": resumed["step"], "run": resumed["run_id"]}
+    if samples is not None:
+        positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
+        with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps(run | {"prompts": positions}) + "\n")
+    if drops:
+        with open(Path(output_dir) / "dropped_prompts.jsonl", "a") as f:
+            f.write(json.dumps(run | {"prompts": [[p, reason] for p, reason in drops]}) + "\n")
 
 
 def log_window(logger, step: int, window: list[dict], worker) -> None:
-    from grpo.metrics import MetricsWindow
+    from grpo.metrics import ALWAYS_LOGGED_COUNTERS, MetricsWindow
 
-    agg = MetricsWindow()
+    agg = MetricsWindow(always=ALWAYS_LOGGED_COUNTERS)
     for metrics in window:
         agg.extend(metrics.items())
     if worker is not None:
@@ -450,7 +529,43 @@ def log_window(logger, step: int, window: list[dict], worker) -> None:
     logger.log(step, agg.reduce())
 
 
+def config_class(argv: list[str]) -> tuple[type, list[str]]:
+    """`--config-cls pkg.module:MyConfig` (anywhere in argv) -> the class, and argv without it."""
+    from grpo.imports import resolve_import
+
+    if "--config-cls" not in argv and not any(a.startswith("--config-cls=") for a in argv):
+        return AsyncGRPOConfig, argv
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--config-cls" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--config-cls="):
+            path = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    cls = resolve_import(path or "")
+    if not (isinstance(cls, type) and issubclass(cls, AsyncGRPOConfig)):
+        raise TypeError(f"--config-cls {path!r} is not a subclass of AsyncGRPOConfig")
+    return cls, rest
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM (torchrun, schedulers, `kill`) unwinds like Ctrl-C, so the rollout worker is stopped on the way."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 if __name__ == "__main__":
+    import sys
+
     import tyro
 
-    main(tyro.cli(AsyncGRPOConfig, description=__doc__))
+    cls, args = config_class(sys.argv[1:])
+    install_signal_handlers()
+    main(tyro.cli(cls, args=args, description=__doc__))

@@ -2,14 +2,16 @@
 
 A checkpoint directory `checkpoint-<step>` holds the model in Hugging Face format (safetensors, loadable with
 `from_pretrained`), the tokenizer, `optimizer.pt` + `scheduler.pt` (full, unsharded state), `rng_rank<r>.pt`, and
-`rollout_state.json` = {"prompt_index": first prompt not yet consumed (a low-water mark over trained, dropped and
-filtered groups), "model_version": v, "step": step}. Everything is written into `checkpoint-<step>.tmp` and renamed
-at the end, so a kill during a save never leaves a directory that looks complete; leftovers of an interrupted save
-are removed by the next one.
+`rollout_state.json` = {"prompt_index": first prompt position not yet consumed (a low-water mark over trained,
+dropped and filtered groups), "consumed_above": consumed positions above it, "partial": positions whose group was
+partly trained (the rest of its samples died with the run), "model_version": v, "step": step}. A resumed run skips
+every consumed position, so each prompt is trained at most once per epoch across restarts (`grpo/ledger.py`).
+Everything is written into `checkpoint-<step>.tmp` and renamed at the end, so a kill during a save never leaves a
+directory that looks complete; leftovers of an interrupted save are removed by the next one.
 
-As in the reference trainer, groups consumed above the low-water mark (trained while an earlier group was still
-in flight or dropped as stale) are generated and trained again after a resume; `trained_prompts.jsonl` in the
-output dir shows which.
+Security: optimizer, scheduler and RNG state are read with `torch.load(weights_only=True)`, which unpickles only
+tensors and plain containers, never code; the model comes from safetensors. A crafted `optimizer.pt` cannot run
+anything on resume: the load fails with `UnpicklingError`.
 """
 
 from __future__ import annotations
@@ -108,13 +110,13 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
     for f in sorted(path.glob("*.safetensors")):
         model_sd |= load_file(f)
     model_sd = _to_model_names(model, model_sd, path)
-    optim_sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    optim_sd = _safe_load(path / "optimizer.pt")
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False, strict=False)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    scheduler.load_state_dict(_safe_load(path / "scheduler.pt"))
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.exists():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(_safe_load(rng))
     return json.loads((path / "rollout_state.json").read_text())
 
 
@@ -145,8 +147,20 @@ def _to_model_names(model, state: dict, path: Path) -> dict:
     return converted
 
 
+def _safe_load(path: Path):
+    """Tensors and plain containers only (no code runs); checkpoints of older versions stored numpy's RNG state as
+    an ndarray, allowed by name."""
+    allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, getattr(np, "_core", np).multiarray._reconstruct] \
+        if hasattr(np, "dtypes") else []
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    cached),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -154,7 +168,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -2,7 +2,8 @@
 
 Only fields this trainer acts on are here; each docstring is the `--help` text. Derived values are properties.
 A subclass with extra fields (e.g. a curriculum threshold read by a custom rollout loop) works as in the spec:
-pass an instance to `train.main(config, ...)`, or `--config-cls pkg.module:MyConfig` on the CLI.
+pass an instance to `train.main(config, ...)`, or `python train.py --config-cls pkg.module:MyConfig ...` on the CLI
+(a `@dataclass` subclass of AsyncGRPOConfig; its fields become flags).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class AsyncGRPOConfig:
     given: the environment owns the data (its reset() returns the prompt) and max_steps bounds the run."""
     dataset_split: str = "train"
     """Split to train on."""
-    reward_funcs: tuple[str, ...] = ("accuracy",)
-    """Reward functions: registry names (see grpo/rewards.py) or import paths `pkg.module:name`."""
+    reward_funcs: tuple[str, ...] | None = None
+    """Reward functions: registry names (see grpo/rewards.py) or import paths `pkg.module:name`. None = `accuracy`,
+    or none at all with an environment_factory (its get_reward() scores the episodes)."""
     tools: tuple[str, ...] = ()
     """Tool functions by import path `pkg.module:name`."""
     environment_factory: str | None = None
@@ -153,6 +155,13 @@ class AsyncGRPOConfig:
     """Seconds without a worker heartbeat after which the trainer declares it hung."""
     score_queue_maxsize: int = 16
     """Completed groups waiting to be scored before generation blocks."""
+
+    # ---- failure handling (README "Failure policy") -------------------------------------------------------------
+    progress_interval_s: float = 30.0
+    """Seconds between progress lines while waiting on something external (server start, empty sample queue)."""
+    max_dropped_groups_in_a_row: int = 256
+    """Stop with a named error after this many groups in a row are dropped at scoring with none kept (rewards all
+    equal or all None/NaN: GRPO gets no signal). 0 disables the check."""
 
     # ---- logging & checkpoints -----------------------------------------------------------------------------------
     output_dir: str = "outputs/run"

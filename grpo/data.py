@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-_ROWS_CHECKED = 256
-"""Rows validated up front; the rest are checked when the rollout worker renders them."""
 
 
 def load_prompts(name_or_path: str, split: str = "train", require_prompt: bool = True):
@@ -41,23 +39,38 @@ def load_prompts(name_or_path: str, split: str = "train", require_prompt: bool =
 
 
 def validate_prompts(dataset, source: str = "dataset", require_prompt: bool = True) -> None:
-    """Raise a ValueError naming the fix unless `prompt` holds conversational messages."""
-    columns = getattr(dataset, "column_names", None)  # datasets.Dataset, or a list of row dicts
-    columns = columns if columns is not None else (list(dataset[0]) if len(dataset) else [])
+    """Raise a ValueError naming the row and the fix unless the dataset is non-empty and every `prompt` holds
+    conversational messages. Works on a `datasets.Dataset` or a list of row dicts (the Python API)."""
+    if dataset is None:
+        return
+    if len(dataset) == 0:
+        raise ValueError(f"{source} is empty: there is nothing to train on (check the split name and the file)")
+    columns = dataset_columns(dataset)
     if "prompt" not in columns:
         if not require_prompt:
             return
-        raise ValueError(f"{source} has no `prompt` column (columns: {columns}); rename the column "
-                         f"holding the messages to `prompt`, e.g. dataset.rename_column('question', 'prompt')")
-    for index in range(min(len(dataset), _ROWS_CHECKED)):
-        check_conversation(dataset[index]["prompt"], f"{source} row {index}")
+        raise ValueError(f"{source} has no `prompt` column (columns: {sorted(columns)}); rename the column holding "
+                         f"the messages to `prompt`, e.g. dataset.rename_column('question', 'prompt')")
+    prompts = dataset["prompt"] if hasattr(dataset, "column_names") else [row.get("prompt") for row in dataset]
+    for index, prompt in enumerate(prompts):
+        check_conversation(prompt, f"{source} row {index}")
+
+
+def dataset_columns(dataset) -> set[str]:
+    """Column names of a `datasets.Dataset`, or the union of the keys of a list of row dicts."""
+    if hasattr(dataset, "column_names"):
+        return set(dataset.column_names)
+    rows = list(dataset[:1]) if not isinstance(dataset, list) else dataset[:1]
+    if not isinstance(rows[0], dict):
+        raise ValueError(f"dataset rows must be dicts with a `prompt` key, got {type(rows[0]).__name__}")
+    return set().union(*(row.keys() for row in (dataset if isinstance(dataset, list) else rows)))
 
 
 def check_conversation(prompt: Any, where: str) -> None:
     if isinstance(prompt, str):
         raise ValueError(f"{where}: `prompt` is a plain string; prompts must be conversational. Wrap it: "
                          f"dataset.map(lambda row: {{'prompt': [{{'role': 'user', 'content': row['prompt']}}]}})")
-    if not isinstance(prompt, list) or not prompt:
+    if not isinstance(prompt, list | tuple) or not prompt:
         raise ValueError(f"{where}: `prompt` must be a non-empty list of messages, got {type(prompt).__name__}")
     for message in prompt:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:

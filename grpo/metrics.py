@@ -8,7 +8,9 @@ name by the spec's rules:
 2. a last name component (after the final "/") holding the word `count` (split on "_") -> sum of the deltas;
 3. one holding `max` or `min` -> the extreme;
 4. anything else -> the mean over items.
-NaNs are dropped first; a name whose every item is NaN reduces to NaN.
+NaNs are dropped first; a name whose every item is NaN reduces to NaN. The trainer, the loss and the worker all
+reduce through this one rule. Counters in `ALWAYS_LOGGED_COUNTERS` are logged as 0 in a window without events, so
+"nothing happened" is visible rather than a missing key.
 
 `MetricsLogger` writes each reduced window to TensorBoard and as one line of `metrics.jsonl`, and prints a
 one-line console summary.
@@ -40,6 +42,14 @@ def reduction_of(name: str) -> str:
     return "mean"
 
 
+ALWAYS_LOGGED_COUNTERS = (
+    "sample/dropped_stale_count", "batch/dropped_oversize_count", "rollout/dropped_equal_rewards_count",
+    "rollout/dropped_unscored_count", "rollout/dropped_no_samples_count", "rollout/dropped_filtered_count",
+    "rollout/vllm_retry_count", "rollout/vllm_metrics_error_count",
+)
+"""Failure and drop counters: present in every logged window (0 when nothing happened)."""
+
+
 def _is_nan(x: float) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
@@ -47,7 +57,8 @@ def _is_nan(x: float) -> bool:
 class MetricsWindow:
     """Accumulates pushed items until `reduce()`, which returns the window's metrics and starts a new window."""
 
-    def __init__(self) -> None:
+    def __init__(self, always: Iterable[str] = ()) -> None:
+        self.always = tuple(always)
         self._values: dict[str, list[float]] = defaultdict(list)
         self._rates: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
@@ -85,6 +96,8 @@ class MetricsWindow:
                 out[name] = min(kept)
             else:
                 out[name] = sum(kept) / len(kept)
+        for name in self.always:
+            out.setdefault(name, 0.0)
         self._values.clear()
         self._rates.clear()
         return out

@@ -17,10 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from grpo.samples import TrainingSample, TurnRecord
+from grpo.samples import SAMPLER_NEG_INF, TrainingSample, TurnRecord
 
-NEG_INF_SENTINEL = -9999.0
-"""vLLM reports -inf logprobs as -9999.0 (vllm.md section 3)."""
 
 
 @dataclass
@@ -80,7 +78,7 @@ class _SampleBuilder:
                 ranked = sorted(entries.items(), key=lambda kv: -kv[1])[:k]
                 for r, (token, lp) in enumerate(ranked):
                     top_ids[i, r] = int(token)
-                    top_logprobs[i, r] = -np.inf if lp <= NEG_INF_SENTINEL else lp
+                    top_logprobs[i, r] = -np.inf if lp <= SAMPLER_NEG_INF else lp
             sample.sampler_top_ids, sample.sampler_top_logprobs = top_ids, top_logprobs
         if any(m is not None for m in self.sampling_mask):
             sample.sampling_mask = list(self.sampling_mask)

@@ -1,13 +1,16 @@
-"""The rollout queue: the worker process that runs `AsyncRolloutLoop`, the state it shares with the trainer, and the
-flow control both sides obey (algorithms.md sections 2-4).
+"""The rollout queue: the worker process that runs `AsyncRolloutLoop` and the state it shares with the trainer.
 
 The worker is spawned (torch.multiprocessing, "spawn") with `CUDA_VISIBLE_DEVICES=""`, so everything handed to it
 (reward functions, tools, environment factories, the loop class) must pickle; `check_picklable` says how to fix
 what does not. Shared state: the sample queue, the model version, the token allowance, the queued-token count, a
 heartbeat, a failure event with a traceback queue, and a metrics queue.
 
-Trainer side, `RolloutWorker.get` pulls one sample, drops the over-stale ones, and raises with the worker's
-traceback when the worker died or stopped beating for `rollout_worker_timeout` seconds.
+Trainer side, a reader thread moves items from the process queue into a local one, so `RolloutWorker.get` never
+blocks in a pipe read (a worker frozen half-way through writing a sample would otherwise hang the trainer with
+the heartbeat check unreachable). `get` pulls one sample, drops the over-stale ones, books every group in the
+`PromptLedger`, and raises with the worker's traceback when the worker died, stopped beating for
+`rollout_worker_timeout` seconds, or dropped `max_dropped_groups_in_a_row` groups at scoring with nothing kept.
+The worker exits by itself when the trainer process dies (parent-death watchdog).
 """
 
 from __future__ import annotations
@@ -17,109 +20,20 @@ import math
 import os
 import pickle
 import queue as queue_lib
+import sys
+import threading
 import time
+import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from grpo.config import AsyncGRPOConfig
 from grpo.imports import resolve_import
-
-# ---- flow control (runs inside the worker's event loop) ------------------------------------------------------
-
-
-class ConcurrencyCap:
-    """Live cap on rollouts in flight, steered by the server's KV-cache gauges (algorithms.md section 4)."""
-
-    def __init__(self, max_concurrent: int):
-        self.max_concurrent = max_concurrent
-        self.limit = max_concurrent  # no /metrics: the user's limit
-        self.initial_limit = max_concurrent
-        self.inflight = 0
-        self.finished_since_increase = 0
-        self._changed = None
-
-    def start_from(self, kv_max_concurrency: float) -> None:
-        """Start at the number of full-length requests the KV cache holds, clamped to [1, max_concurrent]."""
-        self.limit = self.initial_limit = min(max(int(kv_max_concurrency), 1), self.max_concurrent)
-        self.finished_since_increase = 0
-
-    def update(self, kv_usage: float, waiting: int) -> None:
-        if kv_usage > 0.80:
-            self.limit = max(1, math.floor(self.limit * 0.70))
-        elif kv_usage < 0.60 and waiting == 0 and self.finished_since_increase >= self.limit:
-            # Round up so the cap still grows from 1-3; the finished-rollouts rate limit keeps the near-empty cache
-            # right after a weight sync from inflating it [inferred].
-            self.limit = min(self.max_concurrent, math.ceil(self.limit * 1.25))
-            self.finished_since_increase = 0
-            self._notify()
-
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-
-    async def acquire(self) -> None:
-        import asyncio
-
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        while self.inflight >= min(self.limit, self.max_concurrent):
-            self._changed.clear()
-            await self._changed.wait()
-        self.inflight += 1
-
-    def release(self) -> None:
-        self.inflight -= 1
-        self.finished_since_increase += 1
-        self._notify()
-
-
-class TokenAllowance:
-    """Staleness backpressure in tokens (algorithms.md section 3).
-
-    outstanding = tokens of samples sitting in the trainer queue (shared counter the trainer decrements) + an
-    estimate per in-flight group (running mean of completed groups' pre-packing sample tokens, dropped groups
-    included). A new group starts only if it fits: outstanding + estimate <= allowance, or when nothing at all is
-    outstanding (a group larger than the allowance must still make progress). Until a group completes there is no
-    estimate, so one group at a time. Requiring the new group to fit, rather than outstanding < allowance, keeps
-    queued + in-flight within the allowance as far as the estimate is right [inferred].
-    """
-
-    def __init__(self, allowance_value=None, queued_value=None):
-        self.allowance_value, self.queued_value = allowance_value, queued_value
-        self.inflight_groups = 0
-        self.completed_groups = 0
-        self.mean_group_tokens = 0.0
-
-    @property
-    def queued_tokens(self) -> int:
-        return int(self.queued_value.value) if self.queued_value is not None else 0
-
-    def outstanding(self) -> float:
-        return self.queued_tokens + self.inflight_groups * self.mean_group_tokens
-
-    def can_start(self) -> bool:
-        if self.allowance_value is None:
-            return True
-        if self.inflight_groups == 0 and self.queued_tokens == 0:
-            return True
-        if self.completed_groups == 0:
-            return self.inflight_groups == 0
-        return self.outstanding() + self.mean_group_tokens <= float(self.allowance_value.value)
-
-    def group_started(self) -> None:
-        self.inflight_groups += 1
-
-    def group_finished(self, tokens: int) -> None:
-        self.inflight_groups -= 1
-        self.completed_groups += 1
-        self.mean_group_tokens += (tokens - self.mean_group_tokens) / self.completed_groups
-
-    def queued(self, tokens: int) -> None:
-        if self.queued_value is not None:
-            with self.queued_value.get_lock():
-                self.queued_value.value += tokens
-
+from grpo.ledger import PromptLedger
+from grpo.progress import WaitProgress
+from grpo.samples import ConsumedGroup
 
 # ---- picklability ------------------------------------------------------------------------------------------------
 
@@ -148,6 +62,11 @@ def check_picklable(reward_funcs=(), tools=(), environment_factory=None, loop_cl
 # ---- the worker process ------------------------------------------------------------------------------------------
 
 
+def staleness_allowance(max_staleness: int, tokens_per_step: float) -> float:
+    """Tokens queued + in flight the worker may hold: what training consumes in max(max_staleness, 1) steps."""
+    return max(max_staleness, 1) * float(tokens_per_step)
+
+
 @dataclass
 class WorkerSpec:
     """Everything the child needs to build the loop (pickled once at spawn)."""
@@ -163,14 +82,32 @@ class WorkerSpec:
     eos_token_ids: list[int] | None
     lora_name: str | None
     dataset_start_index: int
+    skip_positions: frozenset[int] = frozenset()
+    parent_pid: int = 0
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
+    """Exit the worker when the trainer that spawned it is gone (SIGKILL leaves no chance to stop it)."""
+    def watch():
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent_pid:
+                print(f"rollout worker: trainer process {parent_pid} is gone; exiting", file=sys.stderr, flush=True)
+                os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
     import asyncio
 
-    from grpo.rollout_loop import format_exception
-
     shared["heartbeat"].value = time.time()  # spawn start-up (imports) must not read as a hang
+    if spec.parent_pid:
+        _watch_parent(spec.parent_pid)
     try:
         loop_cls = spec.loop_cls
         if loop_cls is None:
@@ -190,10 +127,12 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
             environment_factory=spec.environment_factory, score_queue_maxsize=spec.config.score_queue_maxsize,
             lora_name=spec.lora_name, dataset_start_index=spec.dataset_start_index,
             queued_tokens_value=shared["queued_tokens"], stop_event=shared["stop"])
+        loop.skip_positions = spec.skip_positions
         asyncio.run(loop.run())
         # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
         # into a pipe nobody reads.
         shared["samples"].cancel_join_thread()
+        shared["metrics"].cancel_join_thread()  # undrained metrics must not block the exit either
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then die
         shared["exceptions"].put(format_exception(exc))
         shared["failed"].set()
@@ -216,28 +155,40 @@ def _environ(**values: str):
 
 class RolloutWorker:
     """Owns the rollout process and the state it shares with the trainer. Trainer API: start/stop, get,
-    set_model_version, set_token_allowance, drain_metrics, state_dict."""
+    set_model_version, set_token_allowance, drain_metrics, mark_trained, drain_drops, state_dict."""
 
     def __init__(self, config: AsyncGRPOConfig, dataset, reward_funcs=(), *, tools=(), environment_factory=None,
                  loop_cls=None, model_name: str | None = None, tokenizer_path: str | None = None,
                  eos_token_ids: list[int] | None = None, lora_name: str | None = None, dataset_start_index: int = 0,
-                 token_allowance: float = math.inf, model_version: int = 0):
+                 skip_positions=(), token_allowance: float = math.inf, model_version: int = 0):
         import torch.multiprocessing as mp
 
         self.config = config
         self._ctx = mp.get_context("spawn")
         self.spec = WorkerSpec(config, loop_cls or config.loop_cls, dataset, list(reward_funcs), list(tools),
                                environment_factory, model_name or config.model, tokenizer_path or config.model,
-                               eos_token_ids, lora_name, dataset_start_index)
+                               eos_token_ids, lora_name, dataset_start_index, frozenset(skip_positions), os.getpid())
         ctx = self._ctx
         self.shared = dict(samples=ctx.Queue(), metrics=ctx.Queue(), exceptions=ctx.Queue(),
                            model_version=ctx.Value("q", model_version), token_allowance=ctx.Value("d", token_allowance),
                            queued_tokens=ctx.Value("q", 0), heartbeat=ctx.Value("d", time.time()),
                            failed=ctx.Event(), stop=ctx.Event())
         self.process = None
+        self._inbox: queue_lib.Queue = queue_lib.Queue()
+        self._reader_stop = threading.Event()
         self._trainer_metrics: list[tuple[str, Any]] = []
-        self.delivered = GroupCounter()  # groups with a sample pulled, or a drop/filter marker received
-        self.consumed = GroupCounter()  # groups trained (any sample), dropped at scoring or filtered
+        self.ledger = PromptLedger(dataset_start_index, skip_positions)
+        self._dropped_in_a_row: Counter[str] = Counter()
+        self._stale_since_sample = 0
+        self.waiting = WaitProgress("samples from the rollout worker", config.progress_interval_s)
+
+    @property
+    def delivered(self):
+        return self.ledger.delivered
+
+    @property
+    def consumed(self):
+        return self.ledger.consumed
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -248,26 +199,44 @@ class RolloutWorker:
             self.process = self._ctx.Process(target=_worker_main, args=(spec, self.shared), name="rollout-worker",
                                              daemon=True)
             self.process.start()
+        threading.Thread(target=self._pump, name="rollout-queue-reader", daemon=True).start()
+        self.waiting.restart()
+
+    def _pump(self) -> None:
+        """Reader thread: the only place that may block inside a pipe read (a frozen writer freezes only it)."""
+        samples = self.shared["samples"]
+        while not self._reader_stop.is_set():
+            try:
+                self._inbox.put(samples.get(timeout=0.5))
+            except queue_lib.Empty:
+                continue
+            except (EOFError, OSError, ValueError):  # the queue was closed: the run is ending
+                return
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process is None:
+            self._reader_stop.set()
             return
         self.shared["stop"].set()
-        self.process.join(timeout)
+        self.process.join(timeout)  # the reader keeps draining meanwhile, so the worker never blocks on a full pipe
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5.0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        self._reader_stop.set()
 
     # ---- shared values -------------------------------------------------------------------------------------------
     def set_model_version(self, version: int) -> None:
         self.shared["model_version"].value = version
 
     def set_token_allowance(self, tokens: float) -> None:
-        """allowance = max(max_staleness, 1) x tokens used by the last step (algorithms.md section 3)."""
         self.shared["token_allowance"].value = float(tokens)
+
+    def set_allowance_from_step(self, tokens_per_step: float) -> None:
+        """After a step: the worker may run ahead by what training consumes in max(max_staleness, 1) steps."""
+        self.set_token_allowance(staleness_allowance(self.config.max_staleness, tokens_per_step))
 
     @property
     def model_version(self) -> int:
@@ -283,14 +252,18 @@ class RolloutWorker:
             except queue_lib.Empty:
                 self.process.join(1.0)
                 code = self.process.exitcode
-                trace = (f"no traceback: the process exited with code {code}"
-                         + (f" (killed by signal {-code})" if code is not None and code < 0 else ""))
+                trace = f"no traceback: the process exited with code {code}"
+                if code is not None and code < 0:
+                    trace += (f" (killed by signal {-code}: the out-of-memory killer (check the kernel log, `dmesg`) "
+                              f"or an outside kill; to use less memory lower max_concurrent_rollouts and "
+                              f"score_queue_maxsize, then restart with --resume-from-checkpoint latest)")
             raise RuntimeError(f"rollout worker failed:\n{trace}")
         silent = time.time() - self.shared["heartbeat"].value
         if silent > self.config.rollout_worker_timeout:
             raise RuntimeError(f"rollout worker hung: no heartbeat for {silent:.0f} s (rollout_worker_timeout="
                                f"{self.config.rollout_worker_timeout:.0f}); something blocks its event loop (a "
-                               f"synchronous call inside an async hook?)")
+                               f"synchronous call inside an async hook?) or the process is stopped (SIGSTOP); "
+                               f"py-spy dump --pid {self.process.pid} shows where")
 
     # ---- trainer side ------------------------------------------------------------------------------------------
     def get(self, timeout: float | None = None):
@@ -301,8 +274,9 @@ class RolloutWorker:
             self.check_alive()
             wait = 0.5 if deadline is None else min(0.5, max(deadline - time.monotonic(), 0.0))
             try:
-                item = self.shared["samples"].get(timeout=wait)
+                item = self._inbox.get(timeout=wait)
             except queue_lib.Empty:
+                self.waiting.tick(self._waiting_detail())
                 if deadline is not None and time.monotonic() >= deadline:
                     self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))
                     return None
@@ -312,42 +286,87 @@ class RolloutWorker:
                 self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))
                 return sample
 
+    def _waiting_detail(self) -> str:
+        dropped = sum(self._dropped_in_a_row.values())
+        beat = time.time() - self.shared["heartbeat"].value
+        return (f"{dropped} groups dropped at scoring ({dict(self._dropped_in_a_row)}) and {self._stale_since_sample} "
+                f"stale samples since the last sample; worker heartbeat {beat:.0f} s ago; server "
+                f"{self.config.vllm_server_base_url}")
+
     def _accept(self, item):
         """Book one queue item; return it if it is a sample fresh enough to train on, else None."""
-        from grpo.rollout_loop import ConsumedGroup
-
         if isinstance(item, ConsumedGroup):
-            self.delivered.add(item.group_id)
-            self.consumed.add(item.group_id)
+            self.ledger.dropped(item.group_id, item.reason)
+            self._trainer_metrics.append((f"rollout/dropped_{item.reason}_count", 1))
+            if item.reason != "filtered":
+                self._dropped_in_a_row[item.reason] += 1
+                self._check_dropped_in_a_row()
             return None
         with self.shared["queued_tokens"].get_lock():
             self.shared["queued_tokens"].value -= len(item)
         staleness = self.model_version - item.model_version
         if staleness > self.config.max_staleness:
-            self.delivered.add(item.group_id)  # handed over (and lost), but not consumed: it holds the resume point
+            self.ledger.dropped(item.group_id, "stale")
             self._trainer_metrics.append(("sample/dropped_stale_count", 1))
+            self._stale_since_sample += 1
             return None
-        self.delivered.add(item.group_id)
+        self.ledger.delivered_group(item.group_id)
+        self._dropped_in_a_row.clear()
+        self._stale_since_sample = 0
+        self.waiting.restart()
         self._trainer_metrics += [("sample/time_in_queue_s", time.monotonic() - item.queued_at),
                                   ("sample/staleness_mean", staleness), ("sample/staleness_max", staleness),
                                   ("rollout/queue_size", self._qsize())]
         return item
 
+    def _check_dropped_in_a_row(self) -> None:
+        limit = self.config.max_dropped_groups_in_a_row
+        total = sum(self._dropped_in_a_row.values())
+        if limit and total >= limit:
+            raise RuntimeError(
+                f"{total} groups in a row were dropped at scoring and none kept ({dict(self._dropped_in_a_row)}; "
+                f"equal_rewards = every rollout of the group got the same reward, unscored = every reward was "
+                f"None/NaN): GRPO gets no signal. Check the reward functions on a few prompts with `python rollout.py "
+                f"sample`, raise num_generations or temperature, or use an easier dataset "
+                f"(max_dropped_groups_in_a_row={limit})")
+
+    def recheck_staleness(self, rows: list[list]) -> tuple[list[list], int]:
+        """Drop samples that became over-stale while waiting in the batcher across a weight sync; a row left
+        empty keeps a zero-weight dummy. Returns (rows, dropped)."""
+        from grpo.batcher import dummy_sample
+
+        out, dropped = [], 0
+        for row in rows:
+            fresh = []
+            for s in row:
+                if s.group_id < 0 or self.model_version - s.model_version <= self.config.max_staleness:
+                    fresh.append(s)
+                else:
+                    self.ledger.dropped(s.group_id, "stale")
+                    dropped += 1
+            out.append(fresh or [dummy_sample(row[0])])
+        if dropped:
+            self._trainer_metrics.append(("sample/dropped_stale_count", dropped))
+        return out, dropped
+
     def _qsize(self) -> float:
         try:
-            return float(self.shared["samples"].qsize())
+            return float(self.shared["samples"].qsize() + self._inbox.qsize())
         except NotImplementedError:  # macOS
             return float("nan")
 
-    def mark_trained(self, group_ids) -> None:
-        """Called by the trainer after an optimizer step: these groups are consumed. Pulling a sample is not
-        enough, since samples waiting in the batcher die with the run (the resume point is the trained one)."""
-        for group_id in group_ids:
-            self.consumed.add(group_id)
+    def mark_trained(self, samples) -> None:
+        """Called by the trainer after an optimizer step with the samples it trained: their groups are consumed.
+        Pulling a sample is not enough, since samples waiting in the batcher die with the run."""
+        self.ledger.trained(samples)
+
+    def drain_drops(self) -> list[tuple[int, str]]:
+        """(prompt position, reason) of the groups dropped since the last call."""
+        return self.ledger.drain_drops()
 
     @property
     def consumed_groups(self) -> int:
-        return self.consumed.count
+        return self.ledger.consumed.count
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         """Everything the worker and `get` pushed since the last call."""
@@ -358,24 +377,7 @@ class RolloutWorker:
             except queue_lib.Empty:
                 return items
 
-    def state_dict(self) -> dict[str, int]:
-        """`rollout_state.json`: first prompt not yet consumed (low-water mark) and the model version."""
-        return {"prompt_index": self.spec.dataset_start_index + self.consumed.low_water,
-                "model_version": self.model_version}
-
-
-class GroupCounter:
-    """Distinct group ids seen, and the low-water mark: the first id not yet seen (ids below it are all seen)."""
-
-    def __init__(self):
-        self.count, self.low_water = 0, 0
-        self._above: set[int] = set()
-
-    def add(self, group_id: int) -> None:
-        if group_id < self.low_water or group_id in self._above:
-            return
-        self._above.add(group_id)
-        self.count += 1
-        while self.low_water in self._above:
-            self._above.discard(self.low_water)
-            self.low_water += 1
+    def state_dict(self) -> dict:
+        """`rollout_state.json`: the ledger's resume point (low-water mark, consumed positions above it, partially
+        trained groups) and the model version."""
+        return self.ledger.state_dict() | {"model_version": self.model_version}

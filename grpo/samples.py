@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+SAMPLER_NEG_INF = -9999.0
+"""vLLM serializes -inf logprobs as -9999.0 on both generation endpoints; anything at or below it is -inf."""
+
 
 @dataclass
 class TurnRecord:
@@ -76,6 +79,8 @@ class TrainingSample:
     sampling_mask: list[list[int] | None] | None = None  # [L] candidate ids per trained position, None elsewhere
     queued_at: float = 0.0
     """time.monotonic() when it entered the trainer queue."""
+    group_size: int = 0
+    """Training samples the whole group produced (the trainer tells a partially trained group from a full one)."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -107,3 +112,13 @@ class RolloutGroup:
     rewards: np.ndarray | None = None
     """Total reward per rollout, NaN where no source scored it. Set before compute_advantages()."""
     rollouts: list[Rollout] = field(default_factory=list)
+
+
+@dataclass
+class ConsumedGroup:
+    """Put on the trainer queue for a prompt that yields no samples, so the trainer counts it toward the epoch and
+    the resume point. reason: "filtered" (filter_prompt said no) or a scoring drop: "equal_rewards",
+    "unscored" (every reward None/NaN), "no_samples" (no rollout produced a trainable token)."""
+
+    group_id: int
+    reason: str

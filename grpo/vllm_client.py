@@ -1,4 +1,4 @@
-"""The only module that knows vLLM's HTTP routes (contract: shared/reference/vllm.md).
+"""The only module that knows vLLM's HTTP routes.
 
 `VLLMControl` is the synchronous control plane the trainer uses (readiness, introspection, pause/resume, the
 4-phase weight update, LoRA adapters). `VLLMClient` is the asynchronous generation client the rollout worker
@@ -10,19 +10,20 @@ Every call carries a timeout; every non-2xx answer becomes a `VLLMServerError` t
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
-import re
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from grpo.samples import TurnRecord
+from grpo.samples import SAMPLER_NEG_INF, TurnRecord
 
-NEG_INF_SENTINEL = -9999.0
-"""vLLM serializes -inf logprobs as -9999.0 on both generation endpoints."""
+log = logging.getLogger("grpo.vllm_client")
+
 
 _DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/server_info", "/get_world_size", "/init_weight_transfer_engine",
                "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache",
@@ -120,9 +121,13 @@ class VLLMControl:
         raise_for_status(response, route)
         return response
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Poll `/health` until it answers 200; raise TimeoutError naming the URL after `timeout` seconds."""
+    def wait_ready(self, timeout: float | None = None, progress_every: float = 30.0) -> None:
+        """Poll `/health` until it answers 200, logging a progress line every `progress_every` s; raise
+        TimeoutError naming the URL after `timeout` seconds."""
+        from grpo.progress import WaitProgress
+
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        progress = WaitProgress(f"the vLLM server at {self.base_url} (GET /health)", progress_every)
         last_error = "no answer"
         while True:
             try:
@@ -132,8 +137,10 @@ class VLLMControl:
             except httpx.TransportError as exc:
                 last_error = f"{type(exc).__name__}: {exc}"
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"vLLM server at {self.base_url} not ready ({last_error}); start it with "
-                                   f"`python rollout.py serve` or check --vllm-server-base-url")
+                raise TimeoutError(f"vLLM server at {self.base_url} not ready after {progress.waited_s:.0f} s "
+                                   f"({last_error}); start it with `python rollout.py serve` or check "
+                                   f"--vllm-server-base-url")
+            progress.tick(last_error)
             time.sleep(1.0)
 
     # ---- introspection ------------------------------------------------------------------------------------------
@@ -149,6 +156,10 @@ class VLLMControl:
     def server_info(self) -> dict:
         """The resolved server config (`vllm_config.model_config.dtype`, `lora_config`, ...) and VLLM_* env."""
         return self._request("GET", "/server_info", params={"config_format": "json"}).json()
+
+    def facts(self) -> ServerFacts:
+        """What the trainer needs to know about the server, parsed from `/server_info` and `/v1/models`."""
+        return ServerFacts.from_server_info(self.server_info(), self.max_model_len())
 
     def world_size(self) -> int:
         """vLLM workers that join a weight-transfer group (TP x PP x DP)."""
@@ -207,6 +218,36 @@ class VLLMControl:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- /server_info --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerFacts:
+    """The server settings a run depends on."""
+
+    max_model_len: int
+    dtype: str
+    """e.g. "float32" ("" when the server does not say)."""
+    logprobs_mode: str
+    """"processed_logprobs" is required: the sampler's logprobs after temperature / top-k / top-p ("" unknown)."""
+    return_sampling_mask: bool
+
+    @classmethod
+    def from_server_info(cls, info: dict, max_model_len: int) -> ServerFacts:
+        model_cfg = info.get("vllm_config", {}).get("model_config", {}) or {}
+        dtype = str(model_cfg.get("dtype", "")).replace("torch.", "")
+        mode = str(model_cfg.get("logprobs_mode", "") or "").rsplit(".", 1)[-1].lower()
+        return cls(max_model_len, dtype, mode, bool(model_cfg.get("return_sampling_mask")))
+
+    def check(self, base_url: str) -> None:
+        """Reject a server whose logprobs are not the sampler's: the importance ratio would compare the trainer's
+        tempered distribution against raw logits (an on-policy gap instead of 0)."""
+        if self.logprobs_mode and self.logprobs_mode != "processed_logprobs":
+            raise ValueError(f"the vLLM server at {base_url} returns {self.logprobs_mode!r} logprobs; the trainer "
+                             f"needs the sampler's own: restart it with --logprobs-mode processed_logprobs "
+                             f"(`python rollout.py serve` adds it)")
 
 
 # ---- Prometheus metrics (contract section 4) ----------------------------------------------------------------------
@@ -279,7 +320,7 @@ def parse_metrics(text: str) -> ServerMetrics:
 
 
 def _logprob(value: float | None) -> float:
-    return -math.inf if value is None or value <= NEG_INF_SENTINEL else float(value)
+    return -math.inf if value is None or value <= SAMPLER_NEG_INF else float(value)
 
 
 def _token_id(key: str) -> int:
@@ -355,6 +396,8 @@ class VLLMClient:
         self.base_url, self.model = base_url.rstrip("/"), model
         self.timeout, self.max_retries = timeout, max_retries
         self.retry_count = 0
+        self.metrics_error_count = 0
+        self._last_metrics_warning = -math.inf
         self._http: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._max_model_len: int | None = None
@@ -408,11 +451,20 @@ class VLLMClient:
         return self._max_model_len
 
     async def metrics(self) -> ServerMetrics | None:
-        """Scheduler gauges from `/metrics`; None when the route is missing or its text is not vLLM's.
+        """Scheduler gauges from `/metrics`; None when the route is missing, its text is not vLLM's, or the poll
+        failed (connection error / timeout: counted in `metrics_error_count`, warned at most every 60 s).
 
-        One attempt, no retry: a poller calls again soon. Transport errors propagate to be counted by the caller.
+        One attempt, no retry: a poller calls again soon, and generation requests have their own retries.
         """
-        response = await self._client().get("/metrics", timeout=min(self.timeout, 30.0))
+        try:
+            response = await self._client().get("/metrics", timeout=min(self.timeout, 30.0))
+        except httpx.TransportError as exc:
+            self.metrics_error_count += 1
+            if time.monotonic() - self._last_metrics_warning > 60.0:
+                self._last_metrics_warning = time.monotonic()
+                log.warning("GET %s/metrics failed (%s: %s); the concurrency cap keeps its value (%d failures)",
+                            self.base_url, type(exc).__name__, exc, self.metrics_error_count)
+            return None
         if not response.is_success:
             return None
         try:

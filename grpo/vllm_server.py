@@ -18,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo.progress import WaitProgress
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -132,16 +134,21 @@ def _healthy(base_url: str) -> bool:
 
 
 def launch(cfg: ServeConfig, log_path: Path | None = None, timeout: float = 240.0,
-           env: dict[str, str] | None = None) -> ServerProcess:
+           env: dict[str, str] | None = None, progress_every: float = 30.0) -> ServerProcess:
     """Start the server in its own process group and wait for `/health`; on failure raise with its log tail."""
     argv, extra_env = serve_command(cfg)
-    log_path = Path(log_path or tempfile.mktemp(prefix="vllm_", suffix=".log"))
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="vllm_", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
     log = open(log_path, "w")
     full_env = os.environ | extra_env | (env or {})
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = ServerProcess(proc, f"http://{cfg.host}:{cfg.port}", log_path)
     deadline = time.monotonic() + timeout
+    progress = WaitProgress(f"vLLM server start at {server.base_url} (log {log_path})", progress_every)
     while time.monotonic() < deadline:
+        progress.tick()
         if not server.alive():
             raise RuntimeError(f"vLLM server exited with code {proc.returncode} before becoming healthy.\n"
                                f"Command: {format_command(argv, extra_env)}\nLog ({log_path}):\n{server.log_tail()}")
@@ -152,9 +159,10 @@ def launch(cfg: ServeConfig, log_path: Path | None = None, timeout: float = 240.
     raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s.\nLog ({log_path}):\n{server.log_tail()}")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (servers, torch.distributed rendezvous, the NCCL weight-transfer group)."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -42,6 +42,8 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from grpo.vllm_server import free_port
+
 _WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "base_layer"}
 _LEADING_WRAPPERS = ("module.", "base_model.model.")
 
@@ -243,12 +245,6 @@ def local_address_towards(base_url: str) -> str:
         return s.getsockname()[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _start_thread(fn, what: str) -> tuple[threading.Thread, dict]:
     """Run `fn` on a daemon thread, joined with a deadline (`_join`): a stuck call must not hang the trainer."""
     result: dict = {}
@@ -311,7 +307,7 @@ class WeightSync:
 
         workers = self.control.world_size()
         address = self.config.master_address or local_address_towards(self.base_url)
-        port = _free_port()
+        port = free_port("")  # every interface: the vLLM workers connect to master_address
         init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": workers + 1,
                      "packed": True, "packed_buffer_size_bytes": self.config.buffer_size_bytes,
                      "packed_num_buffers": self.config.num_buffers}
@@ -328,7 +324,7 @@ class WeightSync:
             raise RuntimeError("WeightSync.sync before init(model): call init once on every rank first")
         t0 = time.perf_counter()
         if self.rank == 0:
-            self.control.pause(mode="keep")
+            self._control_call("pause", version, lambda: self.control.pause(mode="keep"))
         t_paused = time.perf_counter()
         _barrier()
         t_barrier = time.perf_counter()
@@ -341,11 +337,21 @@ class WeightSync:
         t_sent = time.perf_counter()
         _barrier()
         if self.rank == 0:
-            self.control.resume()
+            self._control_call("resume", version, self.control.resume)
         return {"perf/weight_sync_s": time.perf_counter() - t0,
                 "perf/weight_sync_pause_s": t_paused - t0,
                 "perf/weight_sync_barrier_s": t_barrier - t_paused,
                 "perf/weight_sync_transfer_s": t_sent - t_barrier}
+
+    def _control_call(self, what: str, version: int, call) -> None:
+        """POST /pause or /resume; any failure becomes a WeightSyncError naming the URL and the fix."""
+        try:
+            call()
+        except Exception as exc:
+            raise WeightSyncError(f"weight sync to {self.base_url} (version {version}): POST /{what} failed: "
+                                  f"{type(exc).__name__}: {exc}\n  Check that the server is up and reachable "
+                                  f"(GET {self.base_url}/health); a server left paused is resumed by the next run's "
+                                  f"cold sync, or restart it.") from exc
 
     def _transfer(self, version: int) -> None:
         """start -> update -> finish on rank 0, gathers on every rank; on error finish best-effort and raise."""

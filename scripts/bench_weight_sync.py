@@ -136,7 +136,7 @@ def worker(rank: int, args: Args, ports: tuple[int, int], out: str) -> None:
 def main(args: Args) -> None:
     import torch.multiprocessing as mp
 
-    from grpo.weight_sync import _free_port
+    from grpo.vllm_server import free_port as _free_port
 
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 GPUs (run it on an nvidia-h200-x2 machine)")

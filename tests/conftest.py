@@ -24,6 +24,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs a real vLLM server (CPU build is enough)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "slow: takes more than a minute")
+    config.addinivalue_line("markers", "faults: the fault and bad-input suite (tests/faults), against real vLLM servers")
 
 
 def pytest_collection_modifyitems(config, items):

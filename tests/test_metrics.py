@@ -66,3 +66,14 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path, capsys):
 def test_disabled_logger_writes_nothing(tmp_path):
     MetricsLogger(tmp_path / "off", enabled=False).log(1, {"reward": 1.0})
     assert not (tmp_path / "off").exists()
+
+
+def test_failure_counters_are_logged_as_zero_when_nothing_happened():
+    from grpo.metrics import ALWAYS_LOGGED_COUNTERS
+
+    w = MetricsWindow(always=ALWAYS_LOGGED_COUNTERS)
+    w.extend([("sample/dropped_stale_count", 2), ("loss", 1.0)])
+    out = w.reduce()
+    assert out["sample/dropped_stale_count"] == 2.0
+    assert all(out[name] == 0.0 for name in ALWAYS_LOGGED_COUNTERS if name != "sample/dropped_stale_count")
+    assert w.reduce() == {name: 0.0 for name in ALWAYS_LOGGED_COUNTERS}  # an empty window still says "none"

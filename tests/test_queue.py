@@ -87,14 +87,20 @@ def test_queue_drops_exactly_the_over_stale_samples(tiny_qwen3):
     out = w.reduce()
     assert out["sample/dropped_stale_count"] == 2
     assert out["sample/staleness_max"] == 4 and out["sample/staleness_mean"] == 2.0
-    # pulled is not consumed: only trained groups (and drop/filter markers) move the resume point
-    assert worker.delivered.count == 7 and worker.consumed_groups == 0
-    worker.mark_trained(s.group_id for s in accepted)
-    # groups 0, 1 were stale (never trained) so the resume low-water mark stays at 0
-    assert worker.consumed_groups == 5 and worker.state_dict() == {"prompt_index": 0, "model_version": 6}
-    worker._accept(ConsumedGroup(0, "dropped"))
-    worker._accept(ConsumedGroup(1, "filtered"))
-    assert worker.state_dict()["prompt_index"] == 7
+    # a pulled sample is not consumed (it may die in the batcher); a stale drop is (regression: a stale drop used
+    # to hold the resume point back forever, so a resume retrained everything after it)
+    assert worker.delivered.count == 7 and worker.consumed_groups == 2
+    assert worker.state_dict()["prompt_index"] == 2 and worker.drain_drops() == [(0, "stale"), (1, "stale")]
+    worker.mark_trained([s for s in accepted if s.group_id != 3])
+    assert worker.consumed_groups == 6
+    assert worker.state_dict() == {"prompt_index": 3, "consumed_above": [4, 5, 6], "partial": [], "model_version": 6}
+    half = sample(6, group_id=9)
+    half.group_size = 2  # one of the group's two samples trained, the other died with the run
+    worker.mark_trained([half])
+    assert worker.state_dict()["partial"] == [9]
+    worker._accept(ConsumedGroup(3, "equal_rewards"))
+    worker._accept(ConsumedGroup(8, "filtered"))
+    assert worker.state_dict()["prompt_index"] == 7 and worker.state_dict()["consumed_above"] == [8, 9]
 
 
 # ---- failure surfacing -------------------------------------------------------------------------------------------
@@ -176,9 +182,34 @@ def test_worker_streams_scored_samples(vllm_server, tiny_qwen3):
         assert worker.delivered.count >= 1
         trained_ids = {s.group_id for s in got}
         assert not trained_ids & set(range(worker.consumed.low_water))  # pulled samples do not count as trained
-        worker.mark_trained(trained_ids)
+        worker.mark_trained(got)
         assert worker.consumed_groups >= len(trained_ids) and worker.state_dict()["prompt_index"] >= 1
     finally:
         start = time.monotonic()
         worker.stop()
         assert time.monotonic() - start < 30 and not worker.process.is_alive()
+
+
+def test_groups_dropped_in_a_row_stop_with_the_reason_and_a_kept_sample_resets_the_count(tiny_qwen3):
+    worker = RolloutWorker(config_for(tiny_qwen3, max_dropped_groups_in_a_row=3), [{"prompt": PROMPT}] * 9,
+                           [length_reward])
+    worker._accept(ConsumedGroup(0, "equal_rewards"))
+    worker._accept(ConsumedGroup(1, "unscored"))
+    assert worker._accept(sample(0, group_id=2)) is not None  # a kept group resets the count
+    worker._accept(ConsumedGroup(3, "filtered"))  # filtering is the user's choice, not a missing signal
+    worker._accept(ConsumedGroup(4, "equal_rewards"))
+    worker._accept(ConsumedGroup(5, "equal_rewards"))
+    with pytest.raises(RuntimeError, match="3 groups in a row.*equal_rewards.*rollout.py sample"):
+        worker._accept(ConsumedGroup(6, "unscored"))
+
+
+def test_samples_that_went_stale_in_the_batcher_are_dropped_at_batch_close(tiny_qwen3):
+    """The batch-closing sample starts the next micro-batch and can wait there across a weight sync: staleness
+    is checked again when its batch closes (it could exceed max_staleness by one)."""
+    worker = RolloutWorker(config_for(tiny_qwen3, max_staleness=1), [{"prompt": PROMPT}] * 9, [length_reward])
+    worker.set_model_version(5)
+    rows = [[sample(4, group_id=0), sample(3, group_id=1)], [sample(3, group_id=2)]]
+    kept, dropped = worker.recheck_staleness(rows)
+    assert dropped == 2 and [s.group_id for s in kept[0]] == [0]
+    assert [s.group_id for s in kept[1]] == [-1] and kept[1][0].num_trained == 0  # a dummy keeps the rank busy
+    assert worker.drain_drops() == [(1, "stale"), (2, "stale")] and worker.state_dict()["prompt_index"] == 0

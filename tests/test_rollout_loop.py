@@ -522,3 +522,48 @@ def test_group_version_is_read_at_first_dispatch_and_resume_skips_ahead(vllm_ser
     assert len(samples) == 9
     for group, kept in groups:
         assert all(s.model_version == group.model_version for s in samples if s.group_id == group.group_id)
+
+
+class ContextFills(ScriptedLoop):
+    """The second turn's prompt (tool results included) no longer fits max_model_len."""
+
+    script = (call_text("multiply", a=3, b=4), "done")
+
+    async def generate_one_turn(self, prompt_ids):
+        from grpo.vllm_client import PromptTooLongError
+
+        if "<tool_response>" in self.tokenizer.decode(prompt_ids):
+            raise PromptTooLongError(len(prompt_ids), len(prompt_ids))
+        return await super().generate_one_turn(prompt_ids)
+
+
+class PromptTooLong(ScriptedLoop):
+    async def generate_one_turn(self, prompt_ids):
+        from grpo.vllm_client import PromptTooLongError
+
+        raise PromptTooLongError(len(prompt_ids), 8)
+
+
+def test_prompt_too_long_stops_the_run_but_a_full_conversation_just_ends(tiny_qwen3, tokenizer):
+    """The spec: a prompt the server cannot take stops the run with its error (it used to be swallowed); tool
+    results filling max_model_len end that conversation, counted, and its turns are trained."""
+    from grpo.vllm_client import PromptTooLongError
+
+    config = AsyncGRPOConfig(model=str(tiny_qwen3), vllm_server_base_url="http://127.0.0.1:9", num_generations=2)
+    loop = make_loop(ContextFills, config, [{"prompt": PROMPT}], [parity_reward], tokenizer, tools=[multiply])
+    groups, out = run_scripted(loop, 1)
+    assert len(groups) == 1 and out["tools/context_full_count"] == 2
+    assert all(len(r.turns) == 1 for r in groups[0][0].rollouts)
+    loop = make_loop(PromptTooLong, config, [{"prompt": PROMPT}], [parity_reward], tokenizer)
+    with pytest.raises(PromptTooLongError, match="max-model-len") as info:
+        asyncio.run(loop.run(max_groups=1))
+    assert "What is 3 + 4?" in "".join(info.value.__notes__)
+
+
+def test_drop_reasons():
+    from grpo.scheduler import drop_reason
+
+    assert drop_reason(np.array([1.0, 0.0]), 2) is None
+    assert drop_reason(np.array([1.0, 1.0]), 2) == "equal_rewards"
+    assert drop_reason(np.array([np.nan, np.nan]), 2) == "unscored"
+    assert drop_reason(np.array([1.0, 0.0]), 0) == "no_samples"

@@ -4,6 +4,7 @@ its weights there, checkpoints resume at the trained position after a kill, and 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, start_server
+from grpo.config import AsyncGRPOConfig
 
 PY = sys.executable
 
@@ -312,3 +314,42 @@ def test_inputs_resolution_environment_owns_the_data():
     _, rows, _, _, _ = resolve_inputs(AsyncGRPOConfig(dataset="builtin:letters", reward_funcs=("letters",)),
                                       None, None, None, None, None)
     assert len(rows) > 0 and rows[0]["prompt"][0]["role"] == "user"
+
+
+def test_step_metrics_follow_the_one_reduction_rule_and_skip_nan():
+    """A fully masked row yields NaN clip ratios; the step's value comes from the other micro-batches (it used to be
+    NaN), counts are summed and extremes kept, as in every logged window."""
+    from types import SimpleNamespace
+
+    from train import StepPlan, step_summary
+
+    samples = random_samples(0, groups=1, group_size=2)
+    for s in samples:
+        s.reward = 1.0
+    plans = [StepPlan([samples], sum(s.num_trained for s in samples))] * 2
+    base = {"_forwarded": 10, "_attended_keys": 50, "_head_tokens": 10, "perf/fwd_bwd_s": 0.1, "perf/fwd_s": 0.05}
+    micro = [base | {"clip_ratio/low_mean": math.nan, "ratio_max": 1.5, "masked_count": 1.0},
+             base | {"clip_ratio/low_mean": 0.25, "ratio_max": 2.0, "masked_count": 2.0}]
+    out = step_summary(plans, samples, micro, SimpleNamespace(world_size=1, rank=0), 1.0, 0.1, {},
+                       SimpleNamespace(model_type="none"), None)
+    assert out["clip_ratio/low_mean"] == 0.25 and out["ratio_max"] == 2.0 and out["masked_count"] == 3.0
+
+
+def test_missing_model_path_is_named_and_hub_ids_pass():
+    from train import check_model_path
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_model_path("/no/such/dir")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_model_path("outputs/run/checkpoint-3")
+    check_model_path("Qwen/Qwen3-0.6B")
+    check_model_path(str(REPO / ".tiny"))
+
+
+def test_config_cls_is_taken_out_of_argv():
+    from train import config_class
+
+    cls, rest = config_class(["--max-steps", "3", "--config-cls", "grpo.config:AsyncGRPOConfig", "--seed", "1"])
+    assert cls is AsyncGRPOConfig and rest == ["--max-steps", "3", "--seed", "1"]
+    with pytest.raises(TypeError, match="not a subclass"):
+        config_class(["--config-cls=grpo.queue:RolloutWorker"])

@@ -346,3 +346,36 @@ def test_metrics_is_none_when_the_route_is_missing():
         assert asyncio.run(run()) == (None, 0)
     finally:
         server.shutdown()
+
+
+def test_failed_metrics_poll_is_counted_not_raised():
+    """A refused /metrics poll used to raise httpx.ConnectError and kill the rollout worker within 5 s."""
+    from grpo.vllm_server import free_port
+
+    async def poll():
+        client = VLLMClient(f"http://127.0.0.1:{free_port()}", "m", timeout=5)
+        try:
+            return await client.metrics(), await client.metrics(), client.metrics_error_count
+        finally:
+            await client.close()
+
+    assert asyncio.run(poll()) == (None, None, 2)
+
+
+def test_server_facts_require_processed_logprobs():
+    from grpo.vllm_client import ServerFacts
+
+    info = {"vllm_config": {"model_config": {"dtype": "torch.float32", "logprobs_mode": "processed_logprobs"}}}
+    facts = ServerFacts.from_server_info(info, 512)
+    assert (facts.dtype, facts.logprobs_mode, facts.max_model_len) == ("float32", "processed_logprobs", 512)
+    facts.check("http://x")
+    info["vllm_config"]["model_config"]["logprobs_mode"] = "LogprobsMode.RAW_LOGPROBS"
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        ServerFacts.from_server_info(info, 512).check("http://x")
+
+
+@pytest.mark.vllm
+def test_real_server_info_reports_processed_logprobs(vllm_server):
+    with VLLMControl(vllm_server.base_url, timeout=60) as control:
+        facts = control.facts()
+    assert facts.logprobs_mode == "processed_logprobs" and facts.max_model_len == 512

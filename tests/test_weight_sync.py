@@ -304,7 +304,7 @@ def test_nccl_sync_end_to_end(tmp_path):
 
     import transformers as tf
 
-    from grpo.weight_sync import _free_port
+    from grpo.vllm_server import free_port as _free_port
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

@@ -1,0 +1,89 @@
+"""Prompt accounting for epochs and exact resume: which prompt positions are consumed, and how.
+
+A position is the index of a prompt draw (`dataset_start_index + group_id`; epochs continue the count). It is
+consumed when any of its samples is trained, or when its group is dropped (filtered by `filter_prompt`, dropped at
+scoring, dropped as stale). A checkpoint saves the low-water mark (first position not consumed), every consumed
+position above it, and the partially trained groups (some samples trained when the checkpoint was written; the
+rest died with the run). A resumed run skips every saved position, so each prompt is trained at most once per
+epoch across restarts, and every position below the final mark is either trained or recorded as dropped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class GroupCounter:
+    """Distinct group ids seen, and the low-water mark: the first id not yet seen (ids below it are all seen)."""
+
+    def __init__(self):
+        self.count, self.low_water = 0, 0
+        self.above: set[int] = set()
+
+    def add(self, group_id: int) -> None:
+        if group_id < self.low_water or group_id in self.above:
+            return
+        self.above.add(group_id)
+        self.count += 1
+        while self.low_water in self.above:
+            self.above.discard(self.low_water)
+            self.low_water += 1
+
+    def __contains__(self, group_id: int) -> bool:
+        return group_id < self.low_water or group_id in self.above
+
+
+class PromptLedger:
+    """Trainer-side bookkeeping over group ids of this run (group_id = position - start_index)."""
+
+    def __init__(self, start_index: int = 0, skip_positions=()):
+        self.start_index = start_index
+        self.delivered = GroupCounter()  # a sample pulled, or a drop/filter marker received
+        self.consumed = GroupCounter()  # trained (any sample), dropped or filtered
+        self._trained: dict[int, int] = {}  # group id -> samples trained, while the group is incomplete
+        self._sizes: dict[int, int] = {}
+        self._dropped: set[int] = set()
+        self._drops: list[tuple[int, str]] = []
+        self.drop_counts: Counter[str] = Counter()
+        for position in skip_positions:
+            if position >= start_index:
+                self.delivered.add(position - start_index)
+                self.consumed.add(position - start_index)
+
+    def delivered_group(self, group_id: int) -> None:
+        self.delivered.add(group_id)
+
+    def dropped(self, group_id: int, reason: str) -> None:
+        """A group (or a sample of it) left without training: consumed, and recorded once."""
+        self.delivered.add(group_id)
+        self.consumed.add(group_id)
+        self.drop_counts[reason] += 1
+        if group_id not in self._dropped:
+            self._dropped.add(group_id)
+            self._drops.append((self.start_index + group_id, reason))
+
+    def trained(self, samples) -> None:
+        """After an optimizer step: these samples were trained."""
+        for s in samples:
+            self.consumed.add(s.group_id)
+            if not s.group_size:  # unknown size (a sample built outside the scheduler): nothing to track
+                continue
+            done = self._trained.get(s.group_id, 0) + 1
+            if s.group_size and done >= s.group_size:
+                self._trained.pop(s.group_id, None)
+                self._sizes.pop(s.group_id, None)
+            else:
+                self._trained[s.group_id], self._sizes[s.group_id] = done, s.group_size
+
+    def partial_positions(self) -> list[int]:
+        """Positions with some but not all samples trained."""
+        return sorted(self.start_index + g for g in self._trained)
+
+    def drain_drops(self) -> list[tuple[int, str]]:
+        drops, self._drops = self._drops, []
+        return drops
+
+    def state_dict(self) -> dict:
+        return {"prompt_index": self.start_index + self.consumed.low_water,
+                "consumed_above": sorted(self.start_index + g for g in self.consumed.above),
+                "partial": self.partial_positions()}

@@ -1,0 +1,359 @@
+"""The rollout worker's scheduler: the plumbing under `AsyncRolloutLoop`'s hooks.
+
+It draws prompts in dataset order (epochs cycling, positions saved by a checkpoint skipped), starts a group when
+the token allowance and the concurrency cap allow (`flow_control.py`), runs each rollout through the hooks, scores
+completed groups in order (reward functions in threads), and publishes training samples, or a `ConsumedGroup`
+marker with the reason, to the trainer's queue. Background tasks beat the heartbeat, poll `/metrics` every
+`metrics_poll_s` (a failed poll is counted, never fatal) and flush metrics. The hooks never see any of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from grpo.config import AsyncGRPOConfig
+from grpo.flow_control import ConcurrencyCap, TokenAllowance
+from grpo.multiturn import FoldStats, fold_turns
+from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
+from grpo.scoring import group_metrics, is_kept, rollout_metrics, score_group
+from grpo.tools import EnvironmentPool, call_tool, environment_tools, in_pool, tool_schema, with_env_prompt
+
+log = logging.getLogger("grpo.rollout")
+model_version_var: contextvars.ContextVar[int] = contextvars.ContextVar("model_version", default=0)
+"""Weight version of the group a rollout belongs to (read by generate_one_turn for LoRA adapter names)."""
+
+
+@dataclass
+class _RolloutResult:
+    rollout: Rollout
+    prompt: list[dict[str, Any]]
+    samples: list[TrainingSample]
+    fold: FoldStats
+    env_reward: tuple[type, float] | None
+    duration_s: float
+
+
+def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool = True) -> str | None:
+    """None when the group is kept; else why it is dropped (the spec's rule on rewards, plus no trainable token)."""
+    if num_samples == 0:
+        return "no_samples"
+    if is_kept(rewards, drop_equal_rewards):
+        return None
+    return "unscored" if np.isnan(np.asarray(rewards, dtype=np.float64)).all() else "equal_rewards"
+
+
+class RolloutScheduler:
+    metrics_poll_s: float = 5.0
+    """Seconds between `/metrics` polls (spec: 5 s). Tests lower it in a subclass."""
+    skip_positions: frozenset[int] = frozenset()
+    """Prompt positions a resumed run must not draw again (consumed before the checkpoint)."""
+
+    def __init__(self, config: AsyncGRPOConfig, model_name: str, dataset, reward_funcs: list[Callable],
+                 processing_class, eos_token_ids: list[int], rollout_buffer=None, model_version_value=None,
+                 token_allowance=None, heartbeat_value=None, failed_event=None, exception_info_queue=None,
+                 metrics_queue=None, tools: list[Callable] | None = None,
+                 environment_factory: Callable | dict[str, Callable] | None = None, score_queue_maxsize: int = 16,
+                 lora_name: str | None = None, dataset_start_index: int = 0, queued_tokens_value=None,
+                 stop_event=None, group_callback: Callable[[RolloutGroup, np.ndarray, bool], None] | None = None,
+                 client=None):
+        self.config, self.model_name, self.dataset = config, model_name, dataset
+        self.reward_funcs = list(reward_funcs or [])
+        self.tokenizer = processing_class
+        self.eos_token_ids = set(eos_token_ids)
+        self.rollout_buffer, self.metrics_queue = rollout_buffer, metrics_queue
+        self.model_version_value, self.heartbeat_value = model_version_value, heartbeat_value
+        self.failed_event, self.exception_info_queue = failed_event, exception_info_queue
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.score_queue_maxsize, self.lora_name = score_queue_maxsize, lora_name
+        self.dataset_start_index, self.stop_event = dataset_start_index, stop_event
+        self.group_callback = group_callback
+        self.allowance = TokenAllowance(token_allowance, queued_tokens_value)
+        self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
+        self.client = client
+        self._metric_items: list[tuple[str, Any]] = []
+        self._envs = EnvironmentPool(environment_factory)
+        self._schema_cache: dict[int, dict] = {}
+        self._generated_tokens = 0
+
+    # ================================ tools (used by generate_one) ============================================
+
+    def _render(self, messages: list[dict], schemas: list[dict] | None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=True,
+                                                 **dict(self.config.chat_template_kwargs))
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _tool_schema(self, tool: Callable) -> dict:
+        key = id(getattr(tool, "__func__", tool))
+        if key not in self._schema_cache:
+            self._schema_cache[key] = tool_schema(tool)
+        return self._schema_cache[key]
+
+    async def _call_tool(self, call, by_name: dict[str, Callable]) -> tuple[str, bool]:
+        return await call_tool(call, by_name, self._pool, self._push)
+
+    @staticmethod
+    def environment_tools(env: Any) -> list[Callable]:
+        return environment_tools(env)
+
+    # ================================ one rollout, one group ====================================================
+
+    async def _run_rollout(self, row: dict[str, Any], group_id: int, version: int) -> _RolloutResult:
+        model_version_var.set(version)
+        start = time.perf_counter()
+        prompt = list(row.get("prompt") or [])
+        env_name, factory = self._envs.factory_for(row)
+        env, tools = None, list(self.tools)
+        try:
+            if factory is not None:
+                env = self._envs.acquire(env_name, factory)  # instances are reused, reset between episodes (spec)
+                t0 = time.perf_counter()
+                text = await in_pool(self._pool, env.reset, **{k: v for k, v in row.items() if k != "environment"})
+                self._push("env/reset_s", time.perf_counter() - t0)
+                if isinstance(text, str):
+                    prompt = with_env_prompt(prompt, text)
+                tools += self.environment_tools(env)
+            rollout = await self.generate_one(prompt, tools, group_id)
+            env_reward = None
+            if env is not None and callable(getattr(env, "get_reward", None)):
+                t0 = time.perf_counter()
+                value = await in_pool(self._pool, env.get_reward)
+                self._push("env/reward_s", time.perf_counter() - t0)
+                env_reward = (type(env), float("nan") if value is None else float(value))
+        finally:
+            if env is not None:
+                self._envs.release(env_name, env)
+        samples, fold = fold_turns(rollout.turns, self.config.num_sampler_logprobs or None)
+        return _RolloutResult(rollout, prompt, samples, fold, env_reward, time.perf_counter() - start)
+
+    async def _rollout_slot(self, row, group_id, version) -> _RolloutResult:
+        try:
+            return await self._run_rollout(row, group_id, version)
+        finally:
+            self.cap.release()
+
+    async def _start_group(self, tg: asyncio.TaskGroup, group_id: int, row_index: int, row: dict[str, Any]) -> None:
+        """Dispatch the group's rollouts one slot at a time; the group's version is read at its first dispatch."""
+        tasks, version = [], None
+        self.allowance.group_started()
+        for _ in range(self.config.num_generations):
+            await self.cap.acquire()
+            if version is None:
+                version = int(self.model_version_value.value) if self.model_version_value is not None else 0
+            tasks.append(tg.create_task(self._rollout_slot(row, group_id, version)))
+        tg.create_task(self._collect_group(tasks, group_id, row_index, row, version))
+
+    async def _collect_group(self, tasks, group_id: int, row_index: int, row: dict, version: int) -> None:
+        results: list[_RolloutResult] = list(await asyncio.gather(*tasks))
+        has_tools = bool(self.tools) or self.environment_factory is not None
+        for r in results:
+            self._metric_items += rollout_metrics(r.rollout, len(r.samples), r.fold, r.duration_s, has_tools)
+        kwargs = {k: [v] * len(results) for k, v in row.items() if k != "prompt"}
+        group = RolloutGroup(
+            prompts=[r.prompt for r in results], reward_kwargs=kwargs,
+            completions=[r.rollout.completion for r in results],
+            completions_ids=[r.rollout.completion_ids for r in results],
+            completions_sequences=[r.samples for r in results],
+            tool_call_counts=[r.rollout.tool_call_count for r in results],
+            tool_failure_counts=[r.rollout.tool_failure_count for r in results],
+            model_version=version, group_id=group_id, row_index=row_index,
+            env_rewards=[r.env_reward for r in results], rollout_rewards=[r.rollout.reward for r in results],
+            rollouts=[r.rollout for r in results])
+        start = time.perf_counter()
+        group.queued_at = time.monotonic()
+        await self._score_queue.put(group)
+        if (blocked := time.perf_counter() - start) > 1e-3:
+            self._push("rollout/score_block_s", blocked)
+
+    # ================================ scoring =================================================================
+
+    async def _score_forever(self) -> None:
+        while True:
+            group = await self._score_queue.get()
+            self._push("rollout/score_wait_s", time.monotonic() - group.queued_at)
+            start = time.perf_counter()
+            sources = await score_group(group, self.reward_funcs)
+            # compute_advantages runs for every group; the drop decision looks at rewards only (spec).
+            advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+            samples = [s for seq in group.completions_sequences for s in seq]
+            reason = drop_reason(group.rewards, len(samples), self.config.drop_equal_reward_groups)
+            kept = reason is None
+            self._push("rollout/score_s", time.perf_counter() - start)
+            self._metric_items += group_metrics(group, sources, kept, self.eos_token_ids)
+            self.allowance.group_finished(sum(len(s) for s in samples))
+            if kept:
+                self._publish(group, advantages)
+            elif self.rollout_buffer is not None:
+                self.rollout_buffer.put(ConsumedGroup(group.group_id, reason))
+            if self.group_callback is not None:
+                self.group_callback(group, advantages, kept)
+            self._score_queue.task_done()
+            self._flush_metrics()
+
+    def _publish(self, group: RolloutGroup, advantages: np.ndarray) -> None:
+        tokens, group_size = 0, sum(len(seq) for seq in group.completions_sequences)
+        for i, seq in enumerate(group.completions_sequences):
+            for sample in seq:
+                sample.advantage = float(advantages[i])
+                sample.group_id, sample.row_index = group.group_id, group.row_index
+                sample.model_version, sample.rollout_id = group.model_version, group.rollouts[i].rollout_id
+                sample.reward = float(group.rewards[i])
+                sample.queued_at, sample.group_size = time.monotonic(), group_size
+                tokens += len(sample)
+                if self.rollout_buffer is not None:
+                    self.rollout_buffer.put(sample)
+        self.allowance.queued(tokens)
+
+    # ================================ scheduling ==============================================================
+
+    def _push(self, name: str, value: Any) -> None:
+        self._metric_items.append((name, value))
+
+    def _flush_metrics(self) -> None:
+        if self.metrics_queue is not None and self._metric_items:
+            self.metrics_queue.put(self._metric_items)
+            self._metric_items = []
+
+    def _stopping(self) -> bool:
+        return self.stop_event is not None and self.stop_event.is_set()
+
+    async def _poll_forever(self) -> None:
+        """Adaptive cap + server gauges every `metrics_poll_s`; also the generation-rate pair."""
+        last_t, last_preempt, last_retry, last_errors = time.perf_counter(), None, 0, 0
+        while True:
+            await asyncio.sleep(self.metrics_poll_s)
+            m = await self.client.metrics()
+            if m is not None:
+                self.cap.update(m.kv_cache_usage, m.waiting)
+            now = time.perf_counter()
+            self._push("rollout/generated_tokens_per_s", (self._generated_tokens, now - last_t))
+            self._generated_tokens, last_t = 0, now
+            self._push("rollout/concurrency", self.cap.inflight)
+            self._push("rollout/concurrency_cap", self.cap.limit)
+            self._push("rollout/score_queue_size", self._score_queue.qsize())
+            self._push("rollout/vllm_retry_count", self.client.retry_count - last_retry)
+            last_retry = self.client.retry_count
+            self._push("rollout/vllm_metrics_error_count", self.client.metrics_error_count - last_errors)
+            last_errors = self.client.metrics_error_count
+            if m is not None:
+                self._push("rollout/vllm_kv_cache_usage_frac", m.kv_cache_usage)
+                self._push("rollout/vllm_running_requests", m.running)
+                self._push("rollout/vllm_queued_requests", m.waiting)
+                if last_preempt is not None:
+                    self._push("rollout/vllm_preemption_count", max(m.preemptions_total - last_preempt, 0.0))
+                last_preempt = m.preemptions_total
+            self._flush_metrics()
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            if self.heartbeat_value is not None:
+                self.heartbeat_value.value = time.time()
+            await asyncio.sleep(1.0)
+
+    async def _wait_to_start_group(self) -> None:
+        """Hold a new group while the token allowance is used up or the score queue is full."""
+        start = time.perf_counter()
+        while not self.allowance.can_start() and not self._stopping():
+            await asyncio.sleep(0.02)
+        if (waited := time.perf_counter() - start) > 1e-3:
+            self._push("rollout/backpressure_s", waited)
+        start = time.perf_counter()
+        while self._score_queue.full() and not self._stopping():
+            await asyncio.sleep(0.02)
+        if (blocked := time.perf_counter() - start) > 1e-3:
+            self._push("rollout/score_block_s", blocked)
+
+    def _row(self, prompt_index: int) -> tuple[int, int, dict[str, Any]]:
+        """(row_index, epoch, row) of the prompt_index-th prompt drawn (dataset order, epochs cycling)."""
+        if self.dataset is None:  # an environment that samples its own tasks: no epochs
+            return prompt_index, 0, {}
+        n = len(self.dataset)
+        return prompt_index % n, prompt_index // n, dict(self.dataset[prompt_index % n])
+
+    async def _dispatch(self, tg: asyncio.TaskGroup, max_groups: int | None) -> None:
+        prompt_index = self.dataset_start_index
+        epoch_accepted, epoch_complete = 0, self.dataset_start_index % max(len(self.dataset or [0]), 1) == 0
+        group_id = 0
+        while not self._stopping() and (max_groups is None or group_id < max_groups):
+            if prompt_index in self.skip_positions:  # consumed before the checkpoint this run resumed from
+                epoch_accepted += 1
+                group_id, prompt_index = group_id + 1, prompt_index + 1
+                continue
+            row_index, epoch, row = self._row(prompt_index)
+            if self.dataset is not None and row_index == 0 and prompt_index != self.dataset_start_index:
+                if epoch_complete and epoch_accepted == 0:
+                    raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch - 1}: no sample can "
+                                       f"reach the trainer; make filter_prompt admit at least one prompt per epoch")
+                epoch_accepted, epoch_complete = 0, True
+            if self.filter_prompt(row_index, row, epoch):
+                epoch_accepted += 1
+                await self._wait_to_start_group()
+                if self._stopping():
+                    break
+                await self._start_group(tg, group_id, row_index, row)
+            elif self.rollout_buffer is not None:
+                self.rollout_buffer.put(ConsumedGroup(group_id, "filtered"))
+            await asyncio.sleep(0)
+            group_id += 1
+            prompt_index += 1
+
+    async def _run_tasks(self, max_groups: int | None) -> None:
+        async with asyncio.TaskGroup() as tg:
+            background = [tg.create_task(self._heartbeat_forever()), tg.create_task(self._poll_forever()),
+                          tg.create_task(self._score_forever())]
+            await self._dispatch(tg, max_groups)
+            while not self._stopping() and self.allowance.inflight_groups > 0:
+                await asyncio.sleep(0.05)
+            for task in asyncio.all_tasks():  # only this loop's tasks live on this event loop
+                if task is not asyncio.current_task() and (task in background or self._stopping()):
+                    task.cancel()
+
+    async def run(self, max_groups: int | None = None) -> None:
+        """Generate until stopped (or `max_groups` prompts drawn, then drain). Failures propagate."""
+        from grpo.vllm_client import VLLMClient
+
+        if self.client is None:
+            self.client = VLLMClient(self.config.vllm_server_base_url, self.model_name,
+                                     timeout=self.config.vllm_server_timeout)
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrent_rollouts,
+                                        thread_name_prefix="rollout-tool")
+        self._score_queue: asyncio.Queue[RolloutGroup] = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        try:
+            if self.heartbeat_value is not None:
+                self.heartbeat_value.value = time.time()
+            await self.setup()
+            first = await self.client.metrics()
+            if first is not None and first.kv_cache_max_concurrency > 0:
+                self.cap.start_from(first.kv_cache_max_concurrency)
+            try:
+                await self._run_tasks(max_groups)
+            except BaseExceptionGroup as group:  # raise the first failure plainly, with its own traceback
+                first, *others = _leaves(group)
+                if others:
+                    first.add_note(f"({len(others)} more concurrent failures in the rollout loop)")
+                raise first from None
+            self._flush_metrics()
+        finally:
+            try:
+                await self.close()
+            finally:
+                await self.client.close()
+                self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
+
+
