@@ -1,4 +1,4 @@
-"""TokenBudgetBatcher: samples -> micro-batches of one prefix-trie row per rank (algorithms.md section 8).
+"""TokenBudgetBatcher: samples -> micro-batches of one prefix-trie row per rank (docs/design.md §8).
 
 A row's size is counted as the trie would store it: unique tokens (a token already on a trie path of the row is
 free) and loss terms, both capped by `token_budget`. A sample's nodes shared with the row are its longest

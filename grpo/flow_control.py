@@ -11,7 +11,7 @@ import math
 
 
 class ConcurrencyCap:
-    """Live cap on rollouts in flight, steered by the server's KV-cache gauges (algorithms.md section 4)."""
+    """Live cap on rollouts in flight, steered by the server's KV-cache gauges (docs/design.md §4)."""
 
     def __init__(self, max_concurrent: int):
         self.max_concurrent = max_concurrent
@@ -57,7 +57,7 @@ class ConcurrencyCap:
 
 
 class TokenAllowance:
-    """Staleness backpressure in tokens (algorithms.md section 3).
+    """Staleness backpressure in tokens (docs/design.md §3).
 
     outstanding = tokens of samples sitting in the trainer queue (shared counter the trainer decrements) + an
     estimate per in-flight group (running mean of completed groups' pre-packing sample tokens, dropped groups

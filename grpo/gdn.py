@@ -1,6 +1,6 @@
 """Tree-packed forward of Gated DeltaNet (GDN) layers: Qwen3.5 hybrids trained on prefix-trie rows.
 
-A GDN layer scans along the sequence twice (algorithms.md section 7.2): a short causal depthwise conv over the
+A GDN layer scans along the sequence twice (docs/design.md §7.2): a short causal depthwise conv over the
 projected q/k/v, then the gated delta-rule recurrence S_t = g_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T,
 o_t = S_t q_t. In a packed trie a token's history is its path, not the packed positions before it, so:
 

@@ -2,7 +2,7 @@
 
 `policy_token_logprobs` maps final hidden states through the LM head and returns, per trained position, the log
 probability of the sampled token, of the sampler's top-k ids (score centering) and the entropy, all at the sampling
-temperature T and over the same support the sampler drew from (algorithms.md section 5):
+temperature T and over the same support the sampler drew from (docs/design.md §5):
 
     log p(a) = z_a / T - logsumexp_{b in S_t}(z_b / T)       S_t = full vocabulary, or the sampling mask's ids
 

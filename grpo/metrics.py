@@ -1,4 +1,4 @@
-"""Metric windows and the run logger (algorithms.md section 12).
+"""Metric windows and the run logger (docs/design.md §12).
 
 Producers (the rollout worker, the queue, the trainer) push `(name, value)` items, or rate pairs
 `(name, (numerator, denominator))`. A window collects everything pushed since the previous log and reduces each

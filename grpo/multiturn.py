@@ -1,6 +1,6 @@
 """Multi-turn rollouts: folding a rollout's turns into training samples, and parsing tool calls.
 
-`fold_turns` implements algorithms.md section 9. Each turn re-renders the whole conversation, so a turn's prompt
+`fold_turns` implements docs/design.md §9. Each turn re-renders the whole conversation, so a turn's prompt
 may not start with the tokens accumulated so far (templates that drop earlier reasoning, whitespace
 normalisation). A turn whose prompt extends the accumulated tokens is **appended** to the current sample; any other
 turn **forks** a new sample that starts from its prompt, where earlier generated tokens are context only. So every

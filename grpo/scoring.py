@@ -1,4 +1,4 @@
-"""Scoring a rollout group: summed rewards (algorithms.md section 1) and the group-level metrics logged at scoring.
+"""Scoring a rollout group: summed rewards (docs/design.md §1) and the group-level metrics logged at scoring.
 
 Reward sources, all weight 1: every reward function (sync ones in threads, async ones awaited, all concurrently),
 an environment's `get_reward()`, and `Rollout.reward`. None becomes NaN; the total is the NaN-sum over sources and
@@ -79,7 +79,7 @@ def is_kept(rewards: np.ndarray, drop_equal_rewards: bool = True) -> bool:
 
 
 def duplicate_count(group: RolloutGroup) -> int:
-    """Rollouts whose per-turn output ids equal those of an earlier rollout of the group (algorithms.md 10)."""
+    """Rollouts whose per-turn output ids equal those of an earlier rollout of the group (docs/design.md §10)."""
     seen, dups = set(), 0
     for rollout in group.rollouts:
         key = hash(tuple(tuple(turn.output_ids) for turn in rollout.turns))

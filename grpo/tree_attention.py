@@ -1,4 +1,4 @@
-"""Tree attention: run a `PackedRow` through an unmodified Hugging Face decoder (algorithms.md section 7.1).
+"""Tree attention: run a `PackedRow` through an unmodified Hugging Face decoder (docs/design.md §7.1).
 
 We register one attention function, `grpo_tree`, through transformers' `AttentionInterface` and switch the text
 decoder to it. The decoder is called with input_ids [1, N] and position_ids [1, N] (= trie depth, so RoPE sees

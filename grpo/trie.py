@@ -1,4 +1,4 @@
-"""Prefix-trie ("tree") packing of training samples into one row (algorithms.md section 7).
+"""Prefix-trie ("tree") packing of training samples into one row (docs/design.md §7).
 
 Nodes are keyed by (token, next token), so two samples share a node only when they agree on the token *and* on
 what it predicts: the trie forks one token before the divergence and every node has one prediction target.

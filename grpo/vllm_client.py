@@ -505,7 +505,7 @@ class VLLMClient:
 
     async def _generate_tokens(self, prompt_ids: list[int], sampling: dict, num_logprobs: int,
                                model: str) -> TurnRecord:
-        # k+1 requested: the list is [sampled, candidates by rank] truncated to the requested count (vllm.md 3.2).
+        # k+1 requested: the list is [sampled, candidates by rank] truncated to the requested count (docs/design.md §14.2).
         sampling = sampling | {"logprobs": num_logprobs + 1 if num_logprobs > 0 else 0}
         body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": sampling, "stream": False}
         choice = (await self._request("POST", "/inference/v1/generate", json=body)).json()["choices"][0]

@@ -98,7 +98,7 @@ class CPUFileWeightTransferEngine(_Engine):
 
 
 def _repack_cpu_moe(model) -> None:
-    """Redo the CPU grouped-GEMM prepack of every MoE layer after a weight update (cpu_vllm.md, section 8).
+    """Redo the CPU grouped-GEMM prepack of every MoE layer after a weight update (docs/design.md §15).
 
     vLLM 0.32's unquantized MoE method prepacks experts only on the first load: on an update `_setup_kernel` copies
     the new, *unpacked* weights into the kernel tensors and skips `fused_experts.process_weights_after_loading`,

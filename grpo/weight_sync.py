@@ -2,7 +2,7 @@
 
 One `WeightSync` per trainer rank. `init(model)` once (rendezvous), then `sync(model, version)` every
 `weight_sync_steps` optimizer steps, and once before rollouts start (the cold sync, so the first rollouts are
-version 1 [TRL]). The caller publishes `version` after `sync` returns. The protocol (shared/reference/vllm.md 5.2):
+version 1 [TRL]). The caller publishes `version` after `sync` returns. The protocol (docs/design.md §14.3):
 
     rank 0: POST /pause?mode=keep      (clears the prefix cache, preempting in-flight requests)
     all:    barrier

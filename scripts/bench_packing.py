@@ -7,7 +7,7 @@ Random-weight bf16 models built from Qwen3Config (no download). Workloads: group
 sharing a prompt, sized so the trie packing ratio is ~3.4 (prompt ~4.2x the completion), and the same token
 counts with nothing shared (ratio ~1). Rows are filled greedily up to `token_budget` unique tokens (tree) or raw
 tokens (plain); every mode trains the same samples, so trained tokens/s is the comparable number. Gradient
-checkpointing is on (the spec's default). MFU uses algorithms.md section 13 (TRL's formula: full, not causal,
+checkpointing is on (the spec's default). MFU here keeps TRL's older formula (full, not causal,
 attention over L = token-weighted mean forwarded tokens per sample), training = 3 x forward, peak 989e12 (H200).
 """
 

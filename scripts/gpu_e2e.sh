@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole loop on ONE GPU against a real vLLM server, in one device call (see README "GPU end to end").
-#   bash scripts/gpu_e2e.sh        # on a GPU machine with the offline vLLM bundle in .gpuvllm/ (+ wheels in .whl/)
+#   MODEL=Qwen/Qwen3-0.6B bash scripts/gpu_e2e.sh   # a GPU machine with vllm installed
+#   bash scripts/gpu_e2e.sh       # the offline device machine: vLLM bundle in .gpuvllm/, wheels in .whl/
 # Builds a random-weight Qwen3-0.6B-shaped model, serves it (30 % of the GPU), trains train.py against it
 # twice -- async (max_staleness 4) and synchronous (max_staleness 0) -- and checks the result from outside
 # (scripts/gpu_e2e_check.py). Weight sync on one GPU uses this project's `cpu_file` backend (a safetensors file in
@@ -8,24 +9,38 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_e2e}; mkdir -p "$OUT"
-STEPS=${STEPS:-20}; PORT=${PORT:-8000}; MODEL_KIND=${MODEL_KIND:-qwen3-0.6b}
-. .gpuvllm/device_serve.sh || exit 1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+STEPS=${STEPS:-20}; PORT=${PORT:-8000}
+if [ -f .gpuvllm/device_serve.sh ]; then
+  # An offline machine: vLLM comes as an unpacked bundle (vllm_serve / vllm_wait / vllm_stop come from it), extra
+  # wheels from .whl/, and the project's vLLM plugin entry point is declared by hand for the bundle's site dir.
+  . .gpuvllm/device_serve.sh || exit 1
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  fi
+  mkdir -p /tmp/site/async_grpo-0.1.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: async-grpo\nVersion: 0.1.0\n' > /tmp/site/async_grpo-0.1.0.dist-info/METADATA
+  printf '[vllm.general_plugins]\ngrpo_cpu_weight_transfer = grpo.vllm_plugin:register\n' \
+    > /tmp/site/async_grpo-0.1.0.dist-info/entry_points.txt
+else  # a machine with `pip install -r requirements.txt && pip install -e .` done: vllm on PATH, plugin registered
+  vllm_serve() { local m=$1 p=$2; shift 2; VLLM_SERVER_DEV_MODE=1 vllm serve "$m" --port "$p" --host 127.0.0.1 \
+      --dtype bfloat16 --gpu-memory-utilization 0.3 --max-model-len 2048 "$@" > "$OUT/vllm_$p.log" 2>&1 &
+    echo $! > "$OUT/vllm_$p.pid"; }
+  vllm_wait() { for _ in $(seq "$2"); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
+    tail -40 "$OUT/vllm_$1.log"; return 1; }
+  vllm_stop() { kill "$(cat "$OUT/vllm_$1.pid")" 2>/dev/null; }
 fi
-# vLLM finds this project's plugin (the cpu_file backend) through its entry point: declare it for the bundle's site.
-mkdir -p /tmp/site/async_grpo-0.1.0.dist-info
-printf 'Metadata-Version: 2.1\nName: async-grpo\nVersion: 0.1.0\n' > /tmp/site/async_grpo-0.1.0.dist-info/METADATA
-printf '[vllm.general_plugins]\ngrpo_cpu_weight_transfer = grpo.vllm_plugin:register\n' \
-  > /tmp/site/async_grpo-0.1.0.dist-info/entry_points.txt
-export PYTHONPATH="$PWD:$PYTHONPATH" TOKENIZERS_PARALLELISM=false
-python3 .gpuvllm/make_models.py /tmp/models "$MODEL_KIND" --device cuda > "$OUT/make_models.log" 2>&1 || { tail "$OUT/make_models.log"; exit 1; }
-MODEL=/tmp/models/$MODEL_KIND
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
+MODEL=${MODEL:-}
+if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights, Qwen3-0.6B shape, Qwen-style tokenizer
+  python3 .gpuvllm/make_models.py /tmp/models qwen3-0.6b --device cuda > "$OUT/make_models.log" 2>&1 \
+    || { tail "$OUT/make_models.log"; exit 1; }
+  MODEL=/tmp/models/qwen3-0.6b
+fi
+[ -n "$MODEL" ] || { echo "set MODEL=<local model dir or hub id> (e.g. MODEL=Qwen/Qwen3-0.6B)"; exit 2; }
 GPUVLLM_LOG_DIR=$OUT vllm_serve "$MODEL" "$PORT" --logprobs-mode processed_logprobs \
   --weight-transfer-config '{"backend": "cpu_file"}' --max-logprobs 20 ${SERVE_FLAGS:-}
 vllm_wait "$PORT" "${SERVER_WAIT_S:-300}" || exit 1
-python3 .gpuvllm/bench.py "$PORT" --out "$OUT/server_bench.json" > "$OUT/server_bench.log" 2>&1 || true
-tail -3 "$OUT/server_bench.log"
+[ -f .gpuvllm/bench.py ] && { python3 .gpuvllm/bench.py "$PORT" --out "$OUT/server_bench.json" > "$OUT/server_bench.log" 2>&1; tail -3 "$OUT/server_bench.log"; }
 run() {  # run NAME MAX_STALENESS
   local t0=$SECONDS
   timeout "${RUN_TIMEOUT_S:-200}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \

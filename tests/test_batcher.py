@@ -1,4 +1,4 @@
-"""TokenBudgetBatcher rules (algorithms.md section 8), checked against the packed rows the trainer will forward."""
+"""TokenBudgetBatcher rules (docs/design.md §8), checked against the packed rows the trainer will forward."""
 
 from __future__ import annotations
 

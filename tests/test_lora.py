@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -316,7 +317,8 @@ def test_spec_lora_example_through_python_api(lora_server, tiny_qwen3, tmp_path)
 
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "lora_example.py"), lora_server.base_url,
-                           str(tiny_qwen3), str(out)], capture_output=True, text=True, timeout=900, cwd=REPO)
+                           str(tiny_qwen3), str(out)], capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env=os.environ | {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Window aggregation rules (algorithms.md section 12) against hand-computed windows, and the logger's outputs."""
+"""Window aggregation rules (docs/design.md §12) against hand-computed windows, and the logger's outputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""fold_turns (algorithms.md section 9): append vs fork, drift, every generated token trained exactly once."""
+"""fold_turns (docs/design.md §9): append vs fork, drift, every generated token trained exactly once."""
 
 from __future__ import annotations
 

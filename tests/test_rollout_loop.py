@@ -435,7 +435,7 @@ class FastPoll(AsyncRolloutLoop):
 @pytest.fixture(scope="module")
 def small_kv_server(tiny_qwen3, tmp_path_factory):
     """16 KV blocks of 128 tokens (kv_cache_max_concurrency = 4 at max_model_len 512), prefix caching off so
-    rollouts of a group do not share prompt blocks (cpu_vllm.md section 4)."""
+    rollouts of a group do not share prompt blocks (docs/design.md §15)."""
     from conftest import start_server
 
     server = start_server(tiny_qwen3, tmp_path_factory.mktemp("vllm_small_kv"), kv_cache_bytes=2097152,

@@ -79,7 +79,7 @@ def _spawned(rank, world, rows, trained, tiny, out, port):
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_two_fsdp_ranks_match_one_process(tiny_models, tmp_path, kind):
     """Rows split over 2 gloo ranks (FSDP2 on CPU) give the gradient of one process training all of them:
-    each rank normalises by N_glob / W and FSDP averages over W (algorithms.md 6.4). Also for the Qwen3.5 VLM
+    each rank normalises by N_glob / W and FSDP averages over W (docs/design.md §6.4). Also for the Qwen3.5 VLM
     checkpoint (Gated DeltaNet layers, frozen vision tower)."""
     import torch.multiprocessing as mp
 

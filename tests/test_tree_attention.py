@@ -1,4 +1,4 @@
-"""Tree-packed forward == per-sample unpacked forward (algorithms.md 7.1), values and parameter gradients.
+"""Tree-packed forward == per-sample unpacked forward (docs/design.md §7.1), values and parameter gradients.
 
 The reference is an independent model instance with transformers' own eager attention, fed one sample at a time
 with ordinary positions; the packed side goes through `forward_hidden` with each backend.

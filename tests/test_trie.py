@@ -1,4 +1,4 @@
-"""Prefix-trie packing invariants against a naive per-token trie (algorithms.md section 7)."""
+"""Prefix-trie packing invariants against a naive per-token trie (docs/design.md §7)."""
 
 from __future__ import annotations
 
