@@ -1,5 +1,10 @@
 """The run configuration: the spec's `AsyncGRPOConfig` fields (same names, same defaults), parsed by tyro.
 
+One departure: the spec's loss fields (`score_centering`, `epsilon`, `epsilon_high`,
+`vllm_importance_sampling_clip_min/max`, `num_sampler_logprobs`) keep their names and defaults but live in the
+options dataclass of the chosen loss: `loss=ScoreCenteringOptions(epsilon=0.28)` in Python, `--loss.epsilon 0.28`
+on the CLI; `score_centering=False` becomes `loss=ClippedOptions()` / `loss:clipped-surrogate` (docs/losses.md).
+
 Only fields this trainer acts on are here; each docstring is the `--help` text. Derived values are properties.
 A subclass with extra fields (e.g. a curriculum threshold read by a custom rollout loop) works as in the spec:
 pass an instance to `train.main(config, ...)`, or `python train.py --config-cls pkg.module:MyConfig ...` on the CLI
