@@ -59,8 +59,10 @@ def test_sampled_and_top_k_logprobs_match_transformers(vllm_server, reference_mo
     k = 4
     turn = generate(vllm_server, max_tokens=12, temperature=temperature, num_logprobs=k,
                     use_generate_endpoint=use_generate_endpoint)
-    assert len(turn.output_ids) == len(turn.output_log_probs) == len(turn.output_sampler_logprobs) == 12
-    assert turn.finish_reason == "length" and turn.prompt_ids == PROMPT
+    # every request gets a fresh seed: a sampled EOS may end the turn early (then it is the last token)
+    assert len(turn.output_ids) == len(turn.output_log_probs) == len(turn.output_sampler_logprobs) >= 1
+    assert len(turn.output_ids) == 12 or turn.finish_reason == "stop", turn
+    assert turn.prompt_ids == PROMPT
     reference = reference_logprobs(reference_model, PROMPT, turn.output_ids, temperature)  # [O, V]
     sampled_reference = reference.gather(1, torch.tensor(turn.output_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(turn.output_log_probs, dtype=torch.float64), sampled_reference, atol=1e-4)
