@@ -57,7 +57,8 @@ def run_rank(args) -> None:
     from grpo.losses import get_loss
     from grpo.policy import PackedPolicy
     from grpo.tree_attention import select_backend
-    from train import StepPlan, train_micro_batch
+    from bench_step import next_plan
+    from train import train_micro_batch
 
     info = init_distributed()
     torch.manual_seed(0)
@@ -74,13 +75,6 @@ def run_rank(args) -> None:
     batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
     source = synthetic_groups(0, vocab, args.group_size, args.prompt_len, args.completion_len)
 
-    def next_plan():
-        if not info.is_main:
-            return None
-        while (rows := batcher.add(next(source))) is None:
-            pass
-        return StepPlan(rows, sum(s.num_trained for r in rows for s in r), batcher.last_stats.as_metrics())
-
     trained, imbalance, t0 = 0, [], None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -88,7 +82,7 @@ def run_rank(args) -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-        plan = broadcast_object(next_plan(), info)
+        plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
         train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, loss_cfg, info.world_size, 1, autocast)
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()

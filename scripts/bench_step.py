@@ -112,6 +112,15 @@ def synthetic_groups(vocab: int, shared: bool, top_k: int, group_size=8, prompt_
         group_id += 1
 
 
+def next_plan(batcher, source):
+    """Rank 0: feed samples to the real batcher until it closes a micro-batch (train.plan_micro_batch's job)."""
+    from train import StepPlan
+
+    while (rows := batcher.add(next(source))) is None:
+        pass
+    return StepPlan(rows, sum(s.num_trained for r in rows for s in r), batcher.last_stats.as_metrics())
+
+
 @contextlib.contextmanager
 def plain_packing():
     """Bench-only: pack and budget rows with no prefix sharing (the padding-free baseline)."""
@@ -160,7 +169,7 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
     from grpo.distributed import broadcast_object
     from grpo.flops import device_peak_flops, mfu, training_flops
     from grpo.losses import loss_function
-    from train import StepPlan, build_policy, optimizer_step, train_micro_batch
+    from train import build_policy, optimizer_step, train_micro_batch
 
     config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=args.token_budget),
                                  **overrides)
@@ -177,17 +186,10 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
         top_k = config.num_sampler_logprobs  # what the loss declared it needs
         source = synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k)
 
-        def next_plan():
-            if not info.is_main:
-                return None
-            while (rows := batcher.add(next(source))) is None:
-                pass
-            return StepPlan(rows, sum(s.num_trained for r in rows for s in r), batcher.last_stats.as_metrics())
-
         totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0)
         for step in range(args.warmup + args.steps):
             t0 = time.perf_counter()
-            plan = broadcast_object(next_plan(), info)
+            plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
             m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
                                   autocast, config.max_completion_length)
             _, opt_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
