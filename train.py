@@ -121,17 +121,27 @@ def build_optimizer(params, config: AsyncGRPOConfig):
 
 
 def server_facts(config: AsyncGRPOConfig) -> dict:
-    """Rank 0 reads what the run needs from the server once (max_model_len, dtype), rejects a server whose
-    logprobs are not the sampler's, and warns on mismatches."""
+    """Rank 0 reads what the run needs from every server once (max_model_len, dtype), rejects a server whose
+    logprobs are not the sampler's or whose limits differ from the first one's, and warns on mismatches."""
     from grpo.vllm_client import ServerFacts, VLLMControl
 
-    with VLLMControl(config.vllm_server_base_url, timeout=config.vllm_server_timeout) as control:
-        control.wait_ready(progress_every=config.progress_interval_s)
-        if control.is_paused():  # a previous trainer died mid-sync; the cold sync rewrites every weight
-            log.warning("the vLLM server was left paused (a previous run stopped mid-sync?); the cold sync resumes it")
-        server_info = control.server_info()
-        facts = ServerFacts.from_server_info(server_info, control.max_model_len())
-    facts.check(config.vllm_server_base_url)
+    facts, first = [], None
+    for url in config.vllm_server_urls:
+        with VLLMControl(url, timeout=config.vllm_server_timeout) as control:
+            control.wait_ready(progress_every=config.progress_interval_s)
+            if control.is_paused():  # a previous trainer died mid-sync; the cold sync rewrites every weight
+                log.warning("the vLLM server at %s was left paused (a previous run stopped mid-sync?); the cold sync "
+                            "resumes it", url)
+            server_info = control.server_info()
+            facts.append(ServerFacts.from_server_info(server_info, control.max_model_len()))
+        facts[-1].check(url)
+        first = first or server_info
+        if (facts[-1].max_model_len, facts[-1].dtype) != (facts[0].max_model_len, facts[0].dtype):
+            raise ValueError(f"the vLLM servers differ: {config.vllm_server_urls[0]} serves max_model_len="
+                             f"{facts[0].max_model_len} dtype={facts[0].dtype}, {url} max_model_len="
+                             f"{facts[-1].max_model_len} dtype={facts[-1].dtype}; start every server with the same "
+                             f"--max-model-len and --dtype")
+    facts = facts[0]
     if facts.dtype and config.dtype != "auto" and facts.dtype != config.dtype:
         log.warning("server dtype %s != trainer dtype %s: the train/inference mismatch will show as importance "
                     "ratios away from 1 (restart vllm serve with --dtype %s)", facts.dtype, config.dtype, config.dtype)
@@ -140,7 +150,7 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
                     "over the full vocabulary, so importance ratios are biased by the kept mass")
     from grpo.lora import server_lora_facts
 
-    return {"max_model_len": facts.max_model_len, "dtype": facts.dtype, "lora": server_lora_facts(server_info)}
+    return {"max_model_len": facts.max_model_len, "dtype": facts.dtype, "lora": server_lora_facts(first)}
 
 
 def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=None):
@@ -353,7 +363,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         "nccl" if info.device.type == "cuda" else "cpu_file")
     adapter = adapter_versions_for(config, choose_sync_mode(config.lora_sync, model, facts["lora"],
                                                             config.max_staleness))
-    sync = WeightSync(config.vllm_server_base_url, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout),
+    sync = WeightSync(config.vllm_server_urls, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout),
                       adapter=adapter)
     sync.init(model)
     version = state["model_version"] + 1
@@ -367,9 +377,11 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
                                skip_positions=state.get("consumed_above", []), lora_name=adapter and adapter.name,
+                               servers_alive=sync.alive_flags,
                                token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
                                                                    * config.gradient_accumulation_steps))
         worker.start()
+        sync.alive_flags = worker.servers_alive  # a server either side finds dead leaves both (several servers)
         if config.max_steps <= 0:
             stop_groups = config.epoch_prompts(len(dataset)) - state["prompt_index"]
     batcher = TokenBudgetBatcher(budget, info.world_size)

@@ -102,8 +102,9 @@ class AsyncGRPOConfig:
     """Cap on tool-calling turns per rollout; None = until the model stops calling tools."""
 
     # ---- vLLM server ---------------------------------------------------------------------------------------------
-    vllm_server_base_url: str = "http://localhost:8000"
-    """Base URL of the vLLM server."""
+    vllm_server_base_url: str | tuple[str, ...] = "http://localhost:8000"
+    """Base URL of the vLLM server, or several (`--vllm-server-base-url http://a:8000 http://b:8000`): each group
+    goes whole to one server, every weight version to all of them (docs/design.md, several servers)."""
     vllm_server_timeout: float = 1800.0
     """Seconds for readiness, each generation request (retried on expiry) and each weight-sync call (raises)."""
     weight_transfer: Literal["auto", "nccl", "cpu_file"] = "auto"
@@ -190,6 +191,15 @@ class AsyncGRPOConfig:
     def num_sampler_logprobs(self) -> int:
         """Top-k sampler logprobs per token the loss declared it needs (0 = none)."""
         return sampler_needs(self.loss).top_logprobs
+
+    @property
+    def vllm_server_urls(self) -> tuple[str, ...]:
+        """`vllm_server_base_url` as a tuple of distinct URLs without trailing slashes (one string = one server)."""
+        raw = self.vllm_server_base_url
+        urls = tuple(u.rstrip("/") for u in ((raw,) if isinstance(raw, str) else raw))
+        if not urls or len(set(urls)) != len(urls):
+            raise ValueError(f"vllm_server_base_url={raw!r}: pass one or more distinct server URLs")
+        return urls
 
     @property
     def lora_alpha_value(self) -> float:

@@ -11,7 +11,7 @@ import math
 
 
 class ConcurrencyCap:
-    """Live cap on rollouts in flight, steered by the server's KV-cache gauges (docs/design.md §4)."""
+    """Live cap on rollouts in flight to one server, steered by its KV-cache gauges (docs/design.md §4)."""
 
     def __init__(self, max_concurrent: int):
         self.max_concurrent = max_concurrent
@@ -20,6 +20,7 @@ class ConcurrencyCap:
         self.inflight = 0
         self.finished_since_increase = 0
         self._changed = None
+        self.closed = False
 
     def start_from(self, kv_max_concurrency: float) -> None:
         """Start at the number of full-length requests the KV cache holds, clamped to [1, max_concurrent]."""
@@ -36,6 +37,11 @@ class ConcurrencyCap:
             self.finished_since_increase = 0
             self._notify()
 
+    def close(self) -> None:
+        """Its server died: wake every waiter (they see the server dead and go elsewhere)."""
+        self.closed = True
+        self._notify()
+
     def _notify(self) -> None:
         if self._changed is not None:
             self._changed.set()
@@ -45,7 +51,7 @@ class ConcurrencyCap:
 
         if self._changed is None:
             self._changed = asyncio.Event()
-        while self.inflight >= min(self.limit, self.max_concurrent):
+        while not self.closed and self.inflight >= min(self.limit, self.max_concurrent):
             self._changed.clear()
             await self._changed.wait()
         self.inflight += 1

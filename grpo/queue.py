@@ -126,7 +126,8 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
             exception_info_queue=shared["exceptions"], metrics_queue=shared["metrics"], tools=spec.tools,
             environment_factory=spec.environment_factory, score_queue_maxsize=spec.config.score_queue_maxsize,
             lora_name=spec.lora_name, dataset_start_index=spec.dataset_start_index,
-            queued_tokens_value=shared["queued_tokens"], stop_event=shared["stop"])
+            queued_tokens_value=shared["queued_tokens"], stop_event=shared["stop"],
+            servers_alive=shared["servers_alive"])
         loop.skip_positions = spec.skip_positions
         asyncio.run(loop.run())
         # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
@@ -160,7 +161,8 @@ class RolloutWorker:
     def __init__(self, config: AsyncGRPOConfig, dataset, reward_funcs=(), *, tools=(), environment_factory=None,
                  loop_cls=None, model_name: str | None = None, tokenizer_path: str | None = None,
                  eos_token_ids: list[int] | None = None, lora_name: str | None = None, dataset_start_index: int = 0,
-                 skip_positions=(), token_allowance: float = math.inf, model_version: int = 0):
+                 skip_positions=(), token_allowance: float = math.inf, model_version: int = 0,
+                 servers_alive=None):
         import torch.multiprocessing as mp
 
         self.config = config
@@ -172,7 +174,9 @@ class RolloutWorker:
         self.shared = dict(samples=ctx.Queue(), metrics=ctx.Queue(), exceptions=ctx.Queue(),
                            model_version=ctx.Value("q", model_version), token_allowance=ctx.Value("d", token_allowance),
                            queued_tokens=ctx.Value("q", 0), heartbeat=ctx.Value("d", time.time()),
-                           failed=ctx.Event(), stop=ctx.Event())
+                           failed=ctx.Event(), stop=ctx.Event(),
+                           servers_alive=ctx.Array("b", [int(bool(a)) for a in (
+                               servers_alive if servers_alive is not None else [1] * len(config.vllm_server_urls))]))
         self.process = None
         self._inbox: queue_lib.Queue = queue_lib.Queue()
         self._reader_stop = threading.Event()
@@ -239,6 +243,11 @@ class RolloutWorker:
         self.set_token_allowance(staleness_allowance(self.config.max_staleness, tokens_per_step))
 
     @property
+    def servers_alive(self):
+        """0/1 per vLLM server, shared with the worker (and the trainer's WeightSync): 0 = dead or dropped."""
+        return self.shared["servers_alive"]
+
+    @property
     def model_version(self) -> int:
         return int(self.shared["model_version"].value)
 
@@ -290,8 +299,8 @@ class RolloutWorker:
         dropped = sum(self._dropped_in_a_row.values())
         beat = time.time() - self.shared["heartbeat"].value
         return (f"{dropped} groups dropped at scoring ({dict(self._dropped_in_a_row)}) and {self._stale_since_sample} "
-                f"stale samples since the last sample; worker heartbeat {beat:.0f} s ago; server "
-                f"{self.config.vllm_server_base_url}")
+                f"stale samples since the last sample; worker heartbeat {beat:.0f} s ago; servers alive "
+                f"{[u for u, a in zip(self.config.vllm_server_urls, self.servers_alive) if a]}")
 
     def _accept(self, item):
         """Book one queue item; return it if it is a sample fresh enough to train on, else None."""

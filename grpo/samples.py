@@ -52,6 +52,8 @@ class Rollout:
     reward: float | None = None
     """Reward set during generation (e.g. by an external judge); summed with the other sources."""
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    server: str | None = None
+    """URL of the vLLM server that generated it (set by the scheduler; a group's rollouts share one)."""
 
 
 @dataclass

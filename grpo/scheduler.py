@@ -1,10 +1,13 @@
 """The rollout worker's scheduler: the plumbing under `AsyncRolloutLoop`'s hooks.
 
 It draws prompts in dataset order (epochs cycling, positions saved by a checkpoint skipped), starts a group when
-the token allowance and the concurrency cap allow (`flow_control.py`), runs each rollout through the hooks, scores
-completed groups in order (reward functions in threads), and publishes training samples, or a `ConsumedGroup`
-marker with the reason, to the trainer's queue. Background tasks beat the heartbeat, poll `/metrics` every
-`metrics_poll_s` (a failed poll is counted, never fatal) and flush metrics. The hooks never see any of it.
+the token allowance and a server's concurrency cap allow (`flow_control.py`), places the whole group on one vLLM
+server (`server_pool.py`: group affinity; a rollout whose server dies is re-dispatched with the rest of its group to
+a surviving one), runs each rollout through the hooks, scores completed groups in order (reward functions in
+threads), and publishes training samples, or a `ConsumedGroup` marker with the reason, to the trainer's queue.
+Background tasks beat the heartbeat, poll every server's `/metrics` every `metrics_poll_s` (a failed poll is
+counted, never fatal) and flush metrics. The hooks never see any of it: `self.client` is the client of the server
+the current rollout runs on.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from grpo.flow_control import ConcurrencyCap, TokenAllowance
 from grpo.multiturn import FoldStats, fold_turns
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
 from grpo.scoring import group_metrics, is_kept, rollout_metrics, score_group
+from grpo.server_pool import NoServerLeftError, Server, ServerGone, ServerPool
 from grpo.tools import EnvironmentPool, call_tool, environment_tools, in_pool, tool_schema, with_env_prompt
 
 log = logging.getLogger("grpo.rollout")
 model_version_var: contextvars.ContextVar[int] = contextvars.ContextVar("model_version", default=0)
 """Weight version of the group a rollout belongs to (read by generate_one_turn for LoRA adapter names)."""
+current_server_var: contextvars.ContextVar[Server | None] = contextvars.ContextVar("vllm_server", default=None)
+"""The server the current rollout runs on (`RolloutScheduler.client` is its client)."""
 
 
 @dataclass
@@ -40,6 +46,13 @@ class _RolloutResult:
     fold: FoldStats
     env_reward: tuple[type, float] | None
     duration_s: float
+
+
+@dataclass
+class _Home:
+    """The server a group's rollouts go to; moved (for the rollouts not yet finished) when it dies."""
+
+    server: Server
 
 
 def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool = True) -> str | None:
@@ -64,7 +77,7 @@ class RolloutScheduler:
                  environment_factory: Callable | dict[str, Callable] | None = None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, queued_tokens_value=None,
                  stop_event=None, group_callback: Callable[[RolloutGroup, np.ndarray, bool], None] | None = None,
-                 client=None):
+                 client=None, servers_alive=None):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs = list(reward_funcs or [])
         self.tokenizer = processing_class
@@ -78,12 +91,32 @@ class RolloutScheduler:
         self.dataset_start_index, self.stop_event = dataset_start_index, stop_event
         self.group_callback = group_callback
         self.allowance = TokenAllowance(token_allowance, queued_tokens_value)
-        self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
-        self.client = client
+        self._client_arg = client  # ready client(s) (tests); else one per URL, built in run()
+        self.servers_alive = servers_alive
+        self.pool: ServerPool | None = None
         self._metric_items: list[tuple[str, Any]] = []
         self._envs = EnvironmentPool(environment_factory)
         self._schema_cache: dict[int, dict] = {}
         self._generated_tokens = 0
+
+    @property
+    def client(self):
+        """The generation client of the server the current rollout runs on (server 0 outside a rollout)."""
+        server = current_server_var.get()
+        if server is not None:
+            return server.client
+        if self.pool is not None:
+            return self.pool.servers[0].client
+        return self._client_arg[0] if isinstance(self._client_arg, list) else self._client_arg
+
+    @client.setter
+    def client(self, value) -> None:
+        self._client_arg = value
+
+    @property
+    def cap(self) -> ConcurrencyCap | None:
+        """Server 0's concurrency cap (each server has its own: `self.pool.servers[i].cap`)."""
+        return self.pool.servers[0].cap if self.pool is not None else None
 
     # ================================ tools (used by generate_one) ============================================
 
@@ -135,21 +168,52 @@ class RolloutScheduler:
         samples, fold = fold_turns(rollout.turns, self.config.num_sampler_logprobs or None)
         return _RolloutResult(rollout, prompt, samples, fold, env_reward, time.perf_counter() - start)
 
-    async def _rollout_slot(self, row, group_id, version) -> _RolloutResult:
-        try:
-            return await self._run_rollout(row, group_id, version)
-        finally:
-            self.cap.release()
+    async def _slot(self, home: _Home) -> Server:
+        """A slot on the group's server; when that server dies, the group moves to the one `pick` names."""
+        while True:
+            try:
+                await self.pool.acquire(home.server)
+                return home.server
+            except ServerGone:
+                home.server = self.pool.pick()  # NoServerLeftError when none is left
+
+    async def _rollout_slot(self, row, group_id, version, home: _Home, server: Server) -> _RolloutResult:
+        """Run one rollout on `server` (slot held); if the server dies under it, run it again where the group went."""
+        from grpo.vllm_client import ServerUnreachableError
+
+        while True:
+            current_server_var.set(server)
+            try:
+                result = await self._run_rollout(row, group_id, version)
+                server.rollouts += 1
+                result.rollout.server = server.url
+                return result
+            except ServerUnreachableError as exc:
+                if exc.base_url != server.client.base_url:
+                    raise
+                self.pool.mark_dead(server, f"{type(exc).__name__}: {exc}")
+                server.redispatched += 1
+                cause = exc
+            finally:
+                server.cap.release()
+            try:
+                if not home.server.alive:
+                    home.server = self.pool.pick()
+                server = await self._slot(home)
+            except NoServerLeftError as none_left:
+                raise none_left from cause
 
     async def _start_group(self, tg: asyncio.TaskGroup, group_id: int, row_index: int, row: dict[str, Any]) -> None:
-        """Dispatch the group's rollouts one slot at a time; the group's version is read at its first dispatch."""
+        """Dispatch the group's rollouts one slot at a time, all to one server; the group's version is read at its
+        first dispatch."""
         tasks, version = [], None
         self.allowance.group_started()
+        home = _Home(self.pool.pick())
         for _ in range(self.config.num_generations):
-            await self.cap.acquire()
+            server = await self._slot(home)
             if version is None:
                 version = int(self.model_version_value.value) if self.model_version_value is not None else 0
-            tasks.append(tg.create_task(self._rollout_slot(row, group_id, version)))
+            tasks.append(tg.create_task(self._rollout_slot(row, group_id, version, home, server)))
         tg.create_task(self._collect_group(tasks, group_id, row_index, row, version))
 
     async def _collect_group(self, tasks, group_id: int, row_index: int, row: dict, version: int) -> None:
@@ -227,30 +291,27 @@ class RolloutScheduler:
         return self.stop_event is not None and self.stop_event.is_set()
 
     async def _poll_forever(self) -> None:
-        """Adaptive cap + server gauges every `metrics_poll_s`; also the generation-rate pair."""
-        last_t, last_preempt, last_retry, last_errors = time.perf_counter(), None, 0, 0
+        """Per-server adaptive caps + server gauges every `metrics_poll_s`; also the generation-rate pair."""
+        last_t, last_retry, last_errors = time.perf_counter(), 0, 0
         while True:
             await asyncio.sleep(self.metrics_poll_s)
-            m = await self.client.metrics()
-            if m is not None:
-                self.cap.update(m.kv_cache_usage, m.waiting)
+            alive = self.pool.alive
+            polled = await asyncio.gather(*(s.client.metrics() for s in alive))
+            for server, m in zip(alive, polled):
+                if m is not None:
+                    server.cap.update(m.kv_cache_usage, m.waiting)
             now = time.perf_counter()
             self._push("rollout/generated_tokens_per_s", (self._generated_tokens, now - last_t))
             self._generated_tokens, last_t = 0, now
-            self._push("rollout/concurrency", self.cap.inflight)
-            self._push("rollout/concurrency_cap", self.cap.limit)
+            self._push("rollout/concurrency", sum(s.cap.inflight for s in alive))
+            self._push("rollout/concurrency_cap", sum(s.cap.limit for s in alive))
             self._push("rollout/score_queue_size", self._score_queue.qsize())
-            self._push("rollout/vllm_retry_count", self.client.retry_count - last_retry)
-            last_retry = self.client.retry_count
-            self._push("rollout/vllm_metrics_error_count", self.client.metrics_error_count - last_errors)
-            last_errors = self.client.metrics_error_count
-            if m is not None:
-                self._push("rollout/vllm_kv_cache_usage_frac", m.kv_cache_usage)
-                self._push("rollout/vllm_running_requests", m.running)
-                self._push("rollout/vllm_queued_requests", m.waiting)
-                if last_preempt is not None:
-                    self._push("rollout/vllm_preemption_count", max(m.preemptions_total - last_preempt, 0.0))
-                last_preempt = m.preemptions_total
+            retries = sum(s.client.retry_count for s in self.pool.servers)
+            errors = sum(s.client.metrics_error_count for s in self.pool.servers)
+            self._push("rollout/vllm_retry_count", retries - last_retry)
+            self._push("rollout/vllm_metrics_error_count", errors - last_errors)
+            last_retry, last_errors = retries, errors
+            self._metric_items += self.pool.gauges(alive, polled) + self.pool.metrics()
             self._flush_metrics()
 
     async def _heartbeat_forever(self) -> None:
@@ -319,21 +380,18 @@ class RolloutScheduler:
 
     async def run(self, max_groups: int | None = None) -> None:
         """Generate until stopped (or `max_groups` prompts drawn, then drain). Failures propagate."""
-        from grpo.vllm_client import VLLMClient
-
-        if self.client is None:
-            self.client = VLLMClient(self.config.vllm_server_base_url, self.model_name,
-                                     timeout=self.config.vllm_server_timeout)
-        self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrent_rollouts,
+        self.pool = self._build_pool()
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrent_rollouts * len(self.pool),
                                         thread_name_prefix="rollout-tool")
         self._score_queue: asyncio.Queue[RolloutGroup] = asyncio.Queue(maxsize=self.score_queue_maxsize)
         try:
             if self.heartbeat_value is not None:
                 self.heartbeat_value.value = time.time()
             await self.setup()
-            first = await self.client.metrics()
-            if first is not None and first.kv_cache_max_concurrency > 0:
-                self.cap.start_from(first.kv_cache_max_concurrency)
+            for server in self.pool.servers:
+                first = await server.client.metrics()
+                if first is not None and first.kv_cache_max_concurrency > 0:
+                    server.cap.start_from(first.kv_cache_max_concurrency)
             try:
                 await self._run_tasks(max_groups)
             except BaseExceptionGroup as group:  # raise the first failure plainly, with its own traceback
@@ -346,8 +404,22 @@ class RolloutScheduler:
             try:
                 await self.close()
             finally:
-                await self.client.close()
+                for server in self.pool.servers:
+                    await server.client.close()
                 self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _build_pool(self) -> ServerPool:
+        """One client and one concurrency cap per server URL (or the client handed to the constructor)."""
+        from grpo.vllm_client import VLLMClient
+
+        cfg = self.config
+        if self._client_arg is not None:  # one ready client, or a list (one per server)
+            clients = self._client_arg if isinstance(self._client_arg, list) else [self._client_arg]
+            return ServerPool([c.base_url for c in clients], clients, cfg.max_concurrent_rollouts, self.servers_alive)
+        urls = list(cfg.vllm_server_urls)
+        clients = [VLLMClient(url, self.model_name, timeout=cfg.vllm_server_timeout,
+                              fail_fast_on_refused=len(urls) > 1) for url in urls]
+        return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.servers_alive)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -1,7 +1,7 @@
-"""The only module that knows vLLM's HTTP routes.
+"""The module that knows vLLM's HTTP routes (with its mixin `vllm_lora_routes.py` for runtime LoRA adapters).
 
 `VLLMControl` is the synchronous control plane the trainer uses (readiness, introspection, pause/resume, the
-4-phase weight update, LoRA adapters). `VLLMClient` is the asynchronous generation client the rollout worker
+4-phase weight update, LoRA adapters). `/metrics` text is parsed in `vllm_metrics.py`. `VLLMClient` is the asynchronous generation client the rollout worker
 uses (one per event loop): token ids in, `TurnRecord` out, with retries and Prometheus metrics.
 
 Every call carries a timeout; every non-2xx answer becomes a `VLLMServerError` that names the fix.
@@ -13,14 +13,17 @@ import asyncio
 import logging
 import math
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from grpo.samples import SAMPLER_NEG_INF, TurnRecord
+from grpo.samples import TurnRecord
+from grpo.vllm_lora_routes import LoraRoutes
+from grpo.vllm_metrics import ServerMetrics, iter_prometheus, parse_metrics  # noqa: F401 (public names)
+from grpo.vllm_responses import (check_sampling_mask, parse_completion_choice,  # noqa: F401 (public names)
+                                 parse_generate_choice)
 
 log = logging.getLogger("grpo.vllm_client")
 
@@ -38,6 +41,14 @@ class VLLMServerError(RuntimeError):
         self.status, self.route, self.message, self.hint = status, route, message, hint
         text = f"vLLM server answered {status} on {route}: {message}"
         super().__init__(f"{text}\n  Fix: {hint}" if hint else text)
+
+
+class ServerUnreachableError(ConnectionError):
+    """A vLLM server did not answer (refused, reset or timed out) after the client's retries."""
+
+    def __init__(self, base_url: str, message: str):
+        self.base_url = base_url
+        super().__init__(message)
 
 
 class AdapterNotLoadedError(LookupError):
@@ -108,8 +119,9 @@ def raise_for_status(response: httpx.Response, route: str) -> None:
     raise VLLMServerError(response.status_code, route, message, error_hint(response.status_code, route, message))
 
 
-class VLLMControl:
-    """Synchronous control plane: one `httpx.Client`, a timeout on every call (vLLM contract sections 2, 4-7)."""
+class VLLMControl(LoraRoutes):
+    """Synchronous control plane: one `httpx.Client`, a timeout on every call (vLLM contract sections 2, 4-7).
+    The runtime LoRA routes come from `LoraRoutes` (grpo/vllm_lora_routes.py)."""
 
     def __init__(self, base_url: str, timeout: float = 1800.0):
         self.base_url = base_url.rstrip("/")
@@ -198,18 +210,6 @@ class VLLMControl:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._request("POST", "/finish_weight_update", json=body)
 
-    # ---- runtime LoRA (contract section 7) ----------------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        self._request("POST", "/v1/load_lora_adapter",
-                      json={"lora_name": name, "lora_path": path, "load_inplace": False})
-
-    def unload_lora_adapter(self, name: str) -> None:
-        self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
-
-    def lora_adapters(self) -> list[str]:
-        """Names of the runtime LoRA adapters registered now (`/v1/models` entries with a `parent`)."""
-        return [str(m["id"]) for m in self.models()["data"] if m.get("parent")]
-
     def close(self) -> None:
         self._http.close()
 
@@ -250,137 +250,6 @@ class ServerFacts:
                              f"(`python rollout.py serve` adds it)")
 
 
-# ---- Prometheus metrics (contract section 4) ----------------------------------------------------------------------
-
-
-@dataclass
-class ServerMetrics:
-    """The scheduler gauges the adaptive concurrency cap reads, aggregated over engines (data-parallel ranks)."""
-
-    kv_cache_usage: float
-    """KV-cache usage fraction 0-1, max over engines (`rollout/vllm_kv_cache_usage_frac`)."""
-    running: int
-    """Requests running, summed over engines."""
-    waiting: int
-    """Requests queued, summed over engines."""
-    preemptions_total: float
-    """Cumulative preemptions, summed over engines (the caller logs deltas)."""
-    kv_cache_max_concurrency: float
-    """Sum over engines of `cache_config_info{kv_cache_max_concurrency}`: full-length requests the KV cache holds."""
-
-
-_SAMPLE_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
-_LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
-
-
-def iter_prometheus(text: str):
-    """Yield (name, labels, value) for each sample line of the Prometheus text format; skip comments and _created."""
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE_LINE.match(line)
-        if match is None:
-            raise ValueError(f"not a Prometheus sample line: {line[:200]!r}")
-        name = match["name"]
-        if name.endswith("_created"):
-            continue
-        labels = {m["key"]: m["value"] for m in _LABEL.finditer(match["labels"] or "")}
-        yield name, labels, float(match["value"])
-
-
-def parse_metrics(text: str) -> ServerMetrics:
-    """Aggregate vLLM's gauges over engines; ValueError when the text holds none of them (not a vLLM /metrics)."""
-    usage: list[float] = []
-    sums = {"running": 0.0, "waiting": 0.0, "preemptions": 0.0, "concurrency": 0.0}
-    seen = False
-    for name, labels, value in iter_prometheus(text):
-        # `gpu_cache_usage_perc` is the pre-0.10 name of the same gauge.
-        if name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-            usage.append(value)
-        elif name == "vllm:num_requests_running":
-            sums["running"] += value
-        elif name == "vllm:num_requests_waiting":
-            sums["waiting"] += value
-        elif name == "vllm:num_preemptions_total":
-            sums["preemptions"] += value
-        elif name == "vllm:cache_config_info" and "kv_cache_max_concurrency" in labels:
-            sums["concurrency"] += float(labels["kv_cache_max_concurrency"])
-        else:
-            continue
-        seen = True
-    if not seen:
-        raise ValueError("no vllm:* scheduler metrics found in the /metrics text")
-    return ServerMetrics(kv_cache_usage=max(usage, default=0.0), running=int(sums["running"]),
-                         waiting=int(sums["waiting"]), preemptions_total=sums["preemptions"],
-                         kv_cache_max_concurrency=sums["concurrency"])
-
-
-# ---- response parsing (contract section 3) ------------------------------------------------------------------------
-
-
-def _logprob(value: float | None) -> float:
-    return -math.inf if value is None or value <= SAMPLER_NEG_INF else float(value)
-
-
-def _token_id(key: str) -> int:
-    """`"token_id:<id>"` keys exist only with `return_tokens_as_token_ids`; decoded strings would collide."""
-    prefix, _, ident = key.rpartition(":")
-    if prefix != "token_id":
-        raise ValueError(f"top_logprobs key {key!r} is not 'token_id:<id>'; send return_tokens_as_token_ids=true")
-    return int(ident)
-
-
-def parse_completion_choice(choice: dict, num_logprobs: int) -> tuple[list[int], list[float], list[dict] | None]:
-    """Generated ids, sampled-token logprobs and top-k candidates of a `/v1/completions` choice.
-
-    Each `top_logprobs[j]` holds the sampled token plus the top k: k+1 keys when the sample is outside the top k,
-    k when it is inside [vLLM 0.32]. So the sampled entry is dropped exactly when there are k+1 keys.
-    """
-    output_ids = [int(t) for t in choice["token_ids"]]
-    logprobs = choice["logprobs"]
-    sampled_logprobs = [_logprob(v) for v in logprobs["token_logprobs"]]
-    if num_logprobs == 0:
-        return output_ids, sampled_logprobs, None
-    sampler_top: list[dict[int, float]] = []
-    for sampled_id, entries in zip(output_ids, logprobs["top_logprobs"]):
-        candidates = {_token_id(k): _logprob(v) for k, v in entries.items()}
-        if len(candidates) > num_logprobs:
-            candidates.pop(sampled_id)
-        sampler_top.append(candidates)
-    return output_ids, sampled_logprobs, sampler_top
-
-
-def parse_generate_choice(choice: dict, num_logprobs: int) -> tuple[list[int], list[float], list[dict] | None,
-                                                                     list[list[int]] | None]:
-    """Ids, sampled logprobs, top-k candidates and sampling masks of an `/inference/v1/generate` choice.
-
-    `top_logprobs` lists the sampled token first, then candidates by rank, truncated to the requested count; the
-    request asked for k+1, so the entries of rank <= k are exactly the top k [vLLM 0.32].
-    """
-    output_ids = [int(t) for t in choice["token_ids"]]
-    content = choice["logprobs"]["content"]
-    sampled_logprobs = [_logprob(entry["logprob"]) for entry in content]
-    sampler_top = None
-    if num_logprobs > 0:
-        sampler_top = [{int(c["token_id"]): _logprob(c["logprob"]) for c in entry["top_logprobs"]
-                        if c.get("rank") is not None and c["rank"] <= num_logprobs} for entry in content]
-    masks = choice.get("sampling_mask")
-    if masks is not None:
-        masks = [[int(t) for t in mask] for mask in masks]
-        check_sampling_mask(output_ids, masks)
-    return output_ids, sampled_logprobs, sampler_top, masks
-
-
-def check_sampling_mask(output_ids: list[int], masks: list[list[int]]) -> None:
-    if len(masks) != len(output_ids):
-        raise ValueError(f"sampling_mask has {len(masks)} entries for {len(output_ids)} generated tokens")
-    for j, (token, mask) in enumerate(zip(output_ids, masks)):
-        if token not in mask:
-            raise ValueError(f"sampled token {token} at position {j} is outside its sampling_mask {mask[:16]}; "
-                             f"the server's mask does not describe its sampler (vLLM bug or mismatched flags)")
-
-
 # ---- asynchronous generation client -------------------------------------------------------------------------------
 
 
@@ -389,12 +258,15 @@ class VLLMClient:
 
     Connection errors, timeouts and 5xx answers are retried with backoff min(2**k, 16) s up to `max_retries`
     times (counted in `retry_count`, logged as `rollout/vllm_retry_count`); 4xx answers are configuration
-    errors and raise `VLLMServerError` at once.
+    errors and raise `VLLMServerError` at once. With `fail_fast_on_refused` (several servers: another one can take
+    the work) a refused connection, i.e. no process listening, raises `ServerUnreachableError` without retrying.
     """
 
-    def __init__(self, base_url: str, model: str, timeout: float = 1800.0, max_retries: int = 5):
+    def __init__(self, base_url: str, model: str, timeout: float = 1800.0, max_retries: int = 5,
+                 fail_fast_on_refused: bool = False):
         self.base_url, self.model = base_url.rstrip("/"), model
         self.timeout, self.max_retries = timeout, max_retries
+        self.fail_fast_on_refused = fail_fast_on_refused
         self.retry_count = 0
         self.metrics_error_count = 0
         self._last_metrics_warning = -math.inf
@@ -420,9 +292,10 @@ class VLLMClient:
             try:
                 response = await self._client().request(method, route, **kwargs)
             except httpx.TransportError as exc:  # connection refused/reset, read/connect timeouts
-                if attempt == self.max_retries:
-                    raise ConnectionError(f"vLLM server at {self.base_url}{route} unreachable after "
-                                          f"{attempt + 1} attempts: {type(exc).__name__}: {exc}") from exc
+                refused = self.fail_fast_on_refused and isinstance(exc, httpx.ConnectError)
+                if attempt == self.max_retries or refused:
+                    raise ServerUnreachableError(self.base_url, f"vLLM server at {self.base_url}{route} unreachable "
+                                                 f"after {attempt + 1} attempts: {type(exc).__name__}: {exc}") from exc
             else:
                 if response.status_code < 500 or attempt == self.max_retries:
                     raise_for_status(response, route)

@@ -1,51 +1,53 @@
 """Trainer -> vLLM weight sync: the only module that touches the trainer<->server transfer group.
 
-One `WeightSync` per trainer rank. `init(model)` once (rendezvous), then `sync(model, version)` every
-`weight_sync_steps` optimizer steps, and once before rollouts start (the cold sync, so the first rollouts are
-version 1 [TRL]). The caller publishes `version` after `sync` returns. The protocol (docs/design.md §14.3):
+One `WeightSync` per trainer rank, for one or several vLLM servers. `init(model)` once (rendezvous), then
+`sync(model, version)` every `weight_sync_steps` optimizer steps, and once before rollouts start (the cold sync, so
+the first rollouts are version 1 [TRL]). The caller publishes `version` after `sync` returns. The protocol
+(docs/design.md §14.3), every server in each rank-0 step:
 
-    rank 0: POST /pause?mode=keep      (clears the prefix cache, preempting in-flight requests)
+    rank 0: POST /pause?mode=keep      (every server; clears the prefix cache, preempting in-flight requests)
     all:    barrier
-    rank 0: POST /start_weight_update  (no body: TRL #7103)
+    rank 0: POST /start_weight_update  (every server; no body: TRL #7103)
     all:    gather one layer group at a time (FSDP2 `full_tensor()`, the same order on every rank)
-    rank 0: POST /update_weights with the manifest while broadcasting packed chunks (nccl), or with a safetensors
-            file path (cpu_file, this project's CPU plugin backend, grpo/vllm_plugin.py)
-    rank 0: POST /finish_weight_update {"weight_version": str(version)}
-    all:    barrier;  rank 0: POST /resume
+    rank 0: POST /update_weights with the manifest to every server while broadcasting packed chunks once into one
+            NCCL group spanning all their workers (nccl), or with one safetensors file path per server (cpu_file,
+            this project's CPU plugin backend, grpo/vllm_plugin.py)
+    rank 0: POST /finish_weight_update {"weight_version": str(version)}  (every server)
+    all:    barrier;  rank 0: POST /resume (every server)
 
-A PEFT policy is sent merged: each LoRA delta (scale x B @ A) is added to its gathered base weight as it is sent,
-so the server serves exactly the trained policy and the trainer's own weights are never modified (PEFT's in-place
+Several servers (docs/design.md, "Several vLLM servers"): a server that fails its part of a sync (dead, or
+answering errors) is dropped from the set with a warning when another one is left, and the run continues on the
+rest; the last server's failure raises `WeightSyncError` as with one server. `alive_flags` (0/1 per server) is
+shared with the rollout worker, which stops sending to a dropped server and marks the ones it finds dead, so the
+next sync skips them. With NCCL a change of the set re-forms the group over the survivors before the transfer;
+a server that dies during the broadcast itself fails the sync (the collective cannot finish).
+
+A PEFT policy is sent merged (grpo/send_plan.py) so the trainer's own weights are never modified (PEFT's in-place
 merge is wrong on FSDP2 shards). Unless `adapter` is given (grpo/lora.py): then each sync writes the adapter in PEFT
-format and registers it through vLLM's runtime LoRA route as `<name>-v<version>`, without pausing generation
-(running requests keep the adapter they named), and unloads the version that left the staleness window.
-
-Names are HF checkpoint names, what vLLM's `load_weights` expects: wrapper prefixes are stripped and transformers'
-in-memory conversions (e.g. fused MoE experts `mlp.experts.gate_up_proj`) are reverted with the same
-`revert_weight_conversion` that `save_pretrained` uses. Frozen parameters (a VLM's vision tower) are not sent; the
-server keeps them as loaded. Floating tensors are cast to the server dtype before sending (fp32 -> bf16 halves the
-bytes), and the manifest declares that dtype.
+format and registers it on every server through vLLM's runtime LoRA route as `<name>-v<version>`, without pausing
+generation (running requests keep the adapter they named), and unloads the version that left the staleness window.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import re
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlparse
 
 import torch
 from torch import nn
 
+from grpo.send_plan import SendPlan, build_plan, checkpoint_name, is_adapter_param  # noqa: F401 (public names)
 from grpo.vllm_server import free_port
 
-_WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "base_layer"}
-_LEADING_WRAPPERS = ("module.", "base_model.model.")
+log = logging.getLogger("grpo.weight_sync")
 
 
 class WeightSyncError(RuntimeError):
@@ -67,153 +69,9 @@ class WeightSyncConfig:
     """Dtype to send floating weights in ("bfloat16", ...); None = the server's, from /server_info."""
     master_address: str | None = None
     """Address the vLLM workers reach this trainer on for the NCCL rendezvous; None = the local address of the
-    route to the server."""
+    route to the first server."""
     tmp_dir: str | None = None
     """cpu_file: where the safetensors file goes; None = /dev/shm when present (tmpfs), else the temp dir."""
-
-
-# ---- names ------------------------------------------------------------------------------------------------------
-def checkpoint_name(name: str) -> str:
-    """`module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.base_layer.weight` ->
-    `model.layers.0.mlp.up_proj.weight` (DDP, torch.compile, activation checkpointing, FSDP1, PEFT wrappers)."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _LEADING_WRAPPERS:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-def is_adapter_param(name: str) -> bool:
-    """PEFT adapter tensors (`lora_A`, `lora_B`, `lora_embedding_*`, `lora_magnitude_vector`): merged, never sent."""
-    return any(part.startswith("lora_") for part in name.split("."))
-
-
-def _hf_model(model: nn.Module) -> nn.Module | None:
-    """The transformers model inside any wrapper: its `_weight_conversions` say how to revert to checkpoint form."""
-    from transformers import PreTrainedModel
-
-    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-
-
-def _group_key(name: str) -> str:
-    """Parameters converted together live under one numbered module (`model.layers.3.`); the rest by parent."""
-    match = re.match(r"^(.*?\.\d+)\.", name)
-    return match.group(1) if match else name.rsplit(".", 1)[0]
-
-
-@dataclass
-class _Group:
-    params: list[tuple[str, nn.Parameter]]
-    """(in-memory checkpoint-style name, parameter), in model order."""
-    names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    dtypes: list[torch.dtype] = field(default_factory=list)
-    """What this group becomes after reverting transformers' conversions (checkpoint names, in send order)."""
-    lora: dict = field(default_factory=dict)
-    """in-memory checkpoint-style name -> LoRA terms merged into it when sent (grpo.lora.LoraTerm)."""
-
-
-def _revert(hf_model: nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if hf_model is None:
-        return tensors
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return revert_weight_conversion(hf_model, tensors)
-
-
-@dataclass
-class SendPlan:
-    """What every rank iterates (groups, for the gathers) and what rank 0 declares (the manifest)."""
-
-    groups: list[_Group]
-    hf_model: nn.Module | None
-    send_dtype: torch.dtype | None
-    has_dtensors: bool
-    peft_merge: bool = False
-    """The adapter is not plain LoRA: merge it into the model with PEFT around the transfer (one process only)."""
-
-    @property
-    def manifest(self) -> dict:
-        names, dtypes, shapes = [], [], []
-        for group in self.groups:
-            names += group.names
-            shapes += group.shapes
-            dtypes += [str(self._wire_dtype(d)).removeprefix("torch.") for d in group.dtypes]
-        return {"names": names, "dtype_names": dtypes, "shapes": shapes}
-
-    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return self.send_dtype if self.send_dtype is not None and dtype.is_floating_point else dtype
-
-    def iter_tensors(self, device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, full tensor in the wire dtype) in manifest order. Every rank must run it to the end:
-        materialising a DTensor is a collective."""
-        with torch.no_grad():
-            for group in self.groups:
-                full = {name: _materialize(param) for name, param in group.params}
-                for name, terms in group.lora.items():
-                    full[name] = full[name] + sum(t.delta(_materialize) for t in terms).to(full[name].dtype)
-                reverted = _revert(self.hf_model, full)
-                for name, dtype in zip(group.names, group.dtypes):
-                    tensor = reverted[name].to(dtype=self._wire_dtype(dtype))
-                    yield name, (tensor if device is None else tensor.to(device))
-
-
-def _materialize(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
-
-
-def build_plan(model: nn.Module, send_dtype: torch.dtype | None = None) -> SendPlan:
-    """Group the parameters to send and work out their checkpoint names and shapes from meta tensors (no gather:
-    a DTensor's shape is global). Frozen parameters are skipped unless the model carries PEFT adapters, whose
-    frozen base weights are exactly what a merged sync sends."""
-    from torch.distributed.tensor import DTensor
-
-    hf_model = _hf_model(model)
-    named = list((hf_model or model).named_parameters())
-    peft = any(is_adapter_param(name) for name, _ in named)
-    terms = {}
-    if peft:
-        from grpo.lora import lora_terms
-
-        terms = lora_terms(hf_model or model)
-    groups: dict[str, _Group] = {}
-    for raw_name, param in named:
-        if is_adapter_param(raw_name) or not (param.requires_grad or peft):
-            continue
-        name = checkpoint_name(raw_name)
-        group = groups.setdefault(_group_key(name), _Group(params=[]))
-        group.params.append((name, param))
-        if terms and raw_name in terms:
-            group.lora[name] = terms[raw_name]
-    if not groups:
-        raise ValueError("no parameter to send: every parameter is frozen (requires_grad=False)")
-
-    def meta(group_params):
-        return {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in group_params}
-
-    for group in groups.values():
-        reverted = _revert(hf_model, meta(group.params))
-        group.names = list(reverted)
-        group.shapes = [list(t.shape) for t in reverted.values()]
-        group.dtypes = [t.dtype for t in reverted.values()]
-    everything = _revert(hf_model, meta([p for g in groups.values() for p in g.params]))
-    per_group = {n: s for g in groups.values() for n, s in zip(g.names, g.shapes)}
-    if per_group != {n: list(t.shape) for n, t in everything.items()}:
-        # A conversion spans groups: revert the whole model at once (more memory, still correct).
-        merged = _Group(params=[p for g in groups.values() for p in g.params], names=list(everything),
-                        shapes=[list(t.shape) for t in everything.values()],
-                        dtypes=[t.dtype for t in everything.values()],
-                        lora={n: t for g in groups.values() for n, t in g.lora.items()})
-        groups = {"": merged}
-    has_dtensors = any(isinstance(p, DTensor) for g in groups.values() for _, p in g.params)
-    if terms is None and has_dtensors:
-        raise ValueError("merged sync of a sharded PEFT model supports plain LoRA linears only (no DoRA, embedding or "
-                         "convolution adapters, no other PEFT methods): change the peft_config")
-    return SendPlan(list(groups.values()), hf_model, send_dtype, has_dtensors, peft_merge=terms is None)
 
 
 # ---- the protocol -----------------------------------------------------------------------------------------------
@@ -269,20 +127,42 @@ def _join(thread: threading.Thread, result: dict, timeout: float, what: str):
     return result.get("value")
 
 
-class WeightSync:
-    """Trainer side of the weight sync; create one on every rank (only rank 0 talks to the server)."""
+def nccl_rank_offsets(world_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """One NCCL group spanning the trainer (rank 0, the only sender) and every server's workers: server i's
+    workers start at 1 + the workers of the servers before it. Returns (rank_offset per server, group size)."""
+    offsets, next_rank = [], 1
+    for size in world_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets, next_rank
 
-    def __init__(self, base_url: str, config: WeightSyncConfig = WeightSyncConfig(), adapter=None):
-        self.base_url, self.config = base_url, config
+
+class WeightSync:
+    """Trainer side of the weight sync; create one on every rank (only rank 0 talks to the servers)."""
+
+    def __init__(self, base_url: str | Sequence[str], config: WeightSyncConfig = WeightSyncConfig(), adapter=None):
+        self.urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.base_url, self.config = self.urls[0], config
         self.adapter = adapter  # grpo.lora.AdapterVersions: adapter-only sync to an --enable-lora server
         self.rank, self.world_size = _dist_rank_world()
-        self.control = None
+        self.alive_flags = [1] * len(self.urls)
+        """0/1 per server; train.py swaps in the array it shares with the rollout worker."""
+        self.controls: list = []
         self.group = None
+        self._group_members: tuple[int, ...] = ()
         self.plan: SendPlan | None = None
         if self.rank == 0:
             from grpo.vllm_client import VLLMControl
 
-            self.control = VLLMControl(base_url, timeout=config.timeout)
+            self.controls = [VLLMControl(url, timeout=config.timeout) for url in self.urls]
+
+    @property
+    def control(self):
+        """The first server's control client (rank 0; None elsewhere)."""
+        return self.controls[0] if self.controls else None
+
+    def alive(self) -> list[int]:
+        return [i for i in range(len(self.urls)) if self.alive_flags[i]]
 
     def init(self, model: nn.Module) -> None:
         """Once, on every rank, before the first sync: plan the tensors and open the transfer channel."""
@@ -298,33 +178,44 @@ class WeightSync:
             if self.config.mode == "nccl":
                 self._init_nccl()
             else:
-                self.control.init_weight_transfer_engine({}, timeout=self.config.timeout)
+                for i in self.alive():
+                    self.controls[i].init_weight_transfer_engine({}, timeout=self.config.timeout)
         _barrier()
 
     def _init_nccl(self) -> None:
-        """The workers block in /init_weight_transfer_engine until rank 0 joins: run the HTTP call beside it."""
+        """One group over the alive servers' workers (world size read from each server: TP x PP x DP). The workers
+        block in /init_weight_transfer_engine until rank 0 joins: the HTTP calls run beside it."""
         from grpo.nccl_broadcast import NcclGroup
 
-        workers = self.control.world_size()
-        address = self.config.master_address or local_address_towards(self.base_url)
+        if self.group is not None:
+            self.group.close()
+        members = self.alive()
+        offsets, world = nccl_rank_offsets([self.controls[i].world_size() for i in members])
+        address = self.config.master_address or local_address_towards(self.urls[members[0]])
         port = free_port("")  # every interface: the vLLM workers connect to master_address
-        init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": workers + 1,
-                     "packed": True, "packed_buffer_size_bytes": self.config.buffer_size_bytes,
-                     "packed_num_buffers": self.config.num_buffers}
-        thread, result = _start_thread(
-            lambda: self.control.init_weight_transfer_engine(init_info, timeout=self.config.timeout), "vllm-init")
-        self.group = NcclGroup(address, port, rank=0, world_size=workers + 1, timeout=self.config.timeout)
-        _join(thread, result, self.config.timeout, "POST /init_weight_transfer_engine")
+        calls = []
+        for i, offset in zip(members, offsets):
+            init_info = {"master_address": address, "master_port": port, "rank_offset": offset, "world_size": world,
+                         "packed": True, "packed_buffer_size_bytes": self.config.buffer_size_bytes,
+                         "packed_num_buffers": self.config.num_buffers}
+            control = self.controls[i]
+            calls.append((i, *_start_thread(
+                lambda c=control, info=init_info: c.init_weight_transfer_engine(info, timeout=self.config.timeout),
+                f"vllm-init-{i}")))
+        self.group = NcclGroup(address, port, rank=0, world_size=world, timeout=self.config.timeout)
+        for i, thread, result in calls:
+            _join(thread, result, self.config.timeout, f"POST {self.urls[i]}/init_weight_transfer_engine")
+        self._group_members = tuple(members)
 
     def sync(self, model: nn.Module, version: int) -> dict[str, float]:
-        """Push the current weights; the server serves `version` afterwards. Returns perf/weight_sync_* seconds."""
+        """Push the current weights; the servers serve `version` afterwards. Returns perf/weight_sync_* seconds."""
         if self.adapter is not None:
             return self._sync_adapter(model, version)
         if self.plan is None:
             raise RuntimeError("WeightSync.sync before init(model): call init once on every rank first")
         t0 = time.perf_counter()
         if self.rank == 0:
-            self._control_call("pause", version, lambda: self.control.pause(mode="keep"))
+            self._each("pause", version, lambda c: c.pause(mode="keep"))
         t_paused = time.perf_counter()
         _barrier()
         t_barrier = time.perf_counter()
@@ -337,21 +228,31 @@ class WeightSync:
         t_sent = time.perf_counter()
         _barrier()
         if self.rank == 0:
-            self._control_call("resume", version, self.control.resume)
+            self._each("resume", version, lambda c: c.resume())
         return {"perf/weight_sync_s": time.perf_counter() - t0,
                 "perf/weight_sync_pause_s": t_paused - t0,
                 "perf/weight_sync_barrier_s": t_barrier - t_paused,
                 "perf/weight_sync_transfer_s": t_sent - t_barrier}
 
-    def _control_call(self, what: str, version: int, call) -> None:
-        """POST /pause or /resume; any failure becomes a WeightSyncError naming the URL and the fix."""
-        try:
-            call()
-        except Exception as exc:
-            raise WeightSyncError(f"weight sync to {self.base_url} (version {version}): POST /{what} failed: "
-                                  f"{type(exc).__name__}: {exc}\n  Check that the server is up and reachable "
-                                  f"(GET {self.base_url}/health); a server left paused is resumed by the next run's "
-                                  f"cold sync, or restart it.") from exc
+    def _each(self, what: str, version: int, call: Callable) -> None:
+        """POST /pause or /resume to every alive server; a failure becomes a WeightSyncError naming the URL and the
+        fix, which drops that server when another one is left (`_drop_or_raise`)."""
+        for i in self.alive():
+            try:
+                call(self.controls[i])
+            except Exception as exc:
+                url = self.urls[i]
+                error = WeightSyncError(
+                    f"weight sync to {url} (version {version}): POST /{what} failed: {type(exc).__name__}: {exc}\n"
+                    f"  Check that the server is up and reachable (GET {url}/health); a server left paused is "
+                    f"resumed by the next run's cold sync, or restart it.")
+                self._drop_or_raise(i, error, exc)
+
+    def _drop_or_raise(self, i: int, error: WeightSyncError, cause: BaseException) -> None:
+        if not [j for j in self.alive() if j != i]:
+            raise error from cause
+        self.alive_flags[i] = 0
+        log.warning("dropping vLLM server %s from the run (%d left): %s", self.urls[i], len(self.alive()), error)
 
     def _transfer(self, version: int) -> None:
         """start -> update -> finish on rank 0, gathers on every rank; on error finish best-effort and raise."""
@@ -359,39 +260,53 @@ class WeightSync:
             for _ in self.plan.iter_tensors():
                 pass
             return
-        started = False
-        try:
-            self.control.start_weight_update()
-            started = True
-            if self.config.mode == "nccl":
-                self._send_nccl()
-            else:
-                self._send_file()
-            self.control.finish_weight_update(weight_version=str(version))
-        except Exception as exc:
-            if started:
-                try:
-                    self.control.finish_weight_update(weight_version=None)
-                except Exception:  # the server is usually dead or wedged by now; the original error matters
-                    pass
-            raise WeightSyncError(f"weight sync to {self.base_url} (version {version}) failed: {exc}\n  The server "
-                                  "may hold partial weights and stay paused: restart it before training on.") from exc
+        if self.config.mode == "nccl":
+            self._transfer_nccl(version)
+        else:
+            self._transfer_file(version)
 
-    def _send_nccl(self) -> None:
+    def _transfer_error(self, urls: list[str], version: int, exc: BaseException) -> WeightSyncError:
+        return WeightSyncError(f"weight sync to {', '.join(urls)} (version {version}) failed: {exc}\n  The server "
+                               "may hold partial weights and stay paused: restart it before training on.")
+
+    def _transfer_nccl(self, version: int) -> None:
+        """All alive servers in one broadcast; the group is re-formed first when the set of servers changed."""
+        members = self.alive()
+        started = []
+        try:
+            if tuple(members) != self._group_members:
+                log.warning("re-forming the NCCL weight-transfer group over %d servers", len(members))
+                self._init_nccl()
+            for i in members:
+                self.controls[i].start_weight_update()
+                started.append(i)
+            self._send_nccl(members)
+            for i in members:
+                self.controls[i].finish_weight_update(weight_version=str(version))
+        except Exception as exc:
+            for i in started:
+                _finish_quietly(self.controls[i])
+            raise self._transfer_error([self.urls[i] for i in members], version, exc) from exc
+
+    def _send_nccl(self, members: list[int]) -> None:
         from grpo.nccl_broadcast import packed_broadcast_send
 
         manifest = self.plan.manifest
-        thread, result = _start_thread(
-            lambda: self.control.update_weights(manifest, timeout=self.config.timeout), "vllm-update")
-        thread.join(0.05)  # an update rejected before any NCCL call fails fast: surface it instead of broadcasting
-        if not thread.is_alive() and "error" in result:
-            raise result["error"]
+        calls = [(i, *_start_thread(lambda c=self.controls[i]: c.update_weights(manifest, timeout=self.config.timeout),
+                                    f"vllm-update-{i}")) for i in members]
+        for _, thread, result in calls:
+            thread.join(0.05)  # an update rejected before any NCCL call fails fast: surface it instead of broadcasting
+            if not thread.is_alive() and "error" in result:
+                raise result["error"]
         packed_broadcast_send(self.group, self.plan.iter_tensors(self.group.device), manifest,
                               self.config.buffer_size_bytes, self.config.num_buffers,
                               drain_before_next=self.plan.has_dtensors)
-        _join(thread, result, self.config.timeout, "POST /update_weights")
+        for i, thread, result in calls:
+            _join(thread, result, self.config.timeout, f"POST {self.urls[i]}/update_weights")
 
-    def _send_file(self) -> None:
+    def _transfer_file(self, version: int) -> None:
+        """One safetensors file, loaded by each alive server in turn; a server that fails is dropped if others
+        are left."""
         from safetensors.torch import save_file
 
         state = {name: tensor.to("cpu").clone() for name, tensor in self.plan.iter_tensors()}
@@ -401,7 +316,17 @@ class WeightSync:
         try:
             save_file(state, path)
             del state
-            self.control.update_weights({"path": path}, timeout=self.config.timeout)
+            for i in self.alive():
+                control, started = self.controls[i], False
+                try:
+                    control.start_weight_update()
+                    started = True
+                    control.update_weights({"path": path}, timeout=self.config.timeout)
+                    control.finish_weight_update(weight_version=str(version))
+                except Exception as exc:
+                    if started:
+                        _finish_quietly(control)
+                    self._drop_or_raise(i, self._transfer_error([self.urls[i]], version, exc), exc)
         finally:
             os.unlink(path)
 
@@ -409,15 +334,16 @@ class WeightSync:
         """Unload this name's adapters an earlier run left registered, and their directories."""
         if self.rank == 0:
             prefix = f"{self.adapter.name}-v"
-            for name in self.control.lora_adapters():
-                if name.startswith(prefix):
-                    self.control.unload_lora_adapter(name)
+            for i in self.alive():
+                for name in self.controls[i].lora_adapters():
+                    if name.startswith(prefix):
+                        self.controls[i].unload_lora_adapter(name)
             self.adapter.clear()
         _barrier()
 
     def _sync_adapter(self, model: nn.Module, version: int) -> dict[str, float]:
-        """Gather the adapter (every rank), write `<name>-v<version>/`, load it, then unload the version that left
-        the window. No pause: the weights a running request uses never change."""
+        """Gather the adapter (every rank), write `<name>-v<version>/`, load it on every server, then unload the
+        version that left the window. No pause: the weights a running request uses never change."""
         from grpo.lora import adapter_tensors
 
         t0 = time.perf_counter()
@@ -426,11 +352,17 @@ class WeightSync:
         if self.rank == 0:
             try:
                 path = self.adapter.write(version, tensors, model.peft_config[model.active_adapter])
-                self.control.load_lora_adapter(self.adapter.served_name(version), str(path))
-                for old in self.adapter.loaded_version(version):
-                    self.control.unload_lora_adapter(self.adapter.served_name(old))
             except Exception as exc:
-                raise WeightSyncError(f"adapter sync to {self.base_url} (version {version}) failed: {exc}") from exc
+                raise WeightSyncError(f"adapter sync (version {version}): writing the adapter failed: {exc}") from exc
+            old = self.adapter.loaded_version(version)
+            for i in self.alive():
+                try:
+                    self.controls[i].load_lora_adapter(self.adapter.served_name(version), str(path))
+                    for stale in old:
+                        self.controls[i].unload_lora_adapter(self.adapter.served_name(stale))
+                except Exception as exc:
+                    error = WeightSyncError(f"adapter sync to {self.urls[i]} (version {version}) failed: {exc}")
+                    self._drop_or_raise(i, error, exc)
         t_sent = time.perf_counter()
         _barrier()
         return {"perf/weight_sync_s": time.perf_counter() - t0, "perf/weight_sync_pause_s": 0.0,
@@ -440,8 +372,16 @@ class WeightSync:
         if self.group is not None:
             self.group.close()
             self.group = None
-        if self.control is not None:
-            self.control.close()
+        for control in self.controls:
+            control.close()
+
+
+def _finish_quietly(control) -> None:
+    """Best-effort /finish_weight_update after a failed transfer (the server is usually dead or wedged by now)."""
+    try:
+        control.finish_weight_update(weight_version=None)
+    except Exception:  # the original error is the one that matters
+        pass
 
 
 def _merge_adapter(model: nn.Module) -> bool:
