@@ -185,14 +185,14 @@ class RolloutScheduler:
             current_server_var.set(server)
             try:
                 result = await self._run_rollout(row, group_id, version)
-                server.rollouts += 1
+                self._push(f"rollout/server{server.index}_rollouts_count", 1)
                 result.rollout.server = server.url
                 return result
             except ServerUnreachableError as exc:
                 if exc.base_url != server.client.base_url:
                     raise
                 self.pool.mark_dead(server, f"{type(exc).__name__}: {exc}")
-                server.redispatched += 1
+                self._push("rollout/redispatched_count", 1)
                 cause = exc
             finally:
                 server.cap.release()
@@ -311,7 +311,7 @@ class RolloutScheduler:
             self._push("rollout/vllm_retry_count", retries - last_retry)
             self._push("rollout/vllm_metrics_error_count", errors - last_errors)
             last_retry, last_errors = retries, errors
-            self._metric_items += self.pool.gauges(alive, polled) + self.pool.metrics()
+            self._metric_items += self.pool.gauges(alive, polled)
             self._flush_metrics()
 
     async def _heartbeat_forever(self) -> None:

@@ -3,7 +3,8 @@
 Each server has its own generation client and its own adaptive `ConcurrencyCap` (steered by that server's
 `/metrics`; `max_concurrent_rollouts` bounds each server). A group is placed whole on one server (group affinity:
 the G rollouts share a prompt, so that server's prefix cache serves G-1 of its prefills; a multi-turn rollout stays
-where it started). The server with the most free slots wins; ties go to the lower index.
+where it started). The least busy server wins: lowest rollouts in flight / its cap, then fewest groups placed so
+far (so groups alternate when every server is idle, as under a tight staleness allowance), then the lower index.
 
 A server is marked dead when a request to it fails for good (connection refused, or retries exhausted) or when
 the trainer dropped it from the weight sync (a shared flag per server, `alive_flags`). Its in-flight rollouts are
@@ -38,16 +39,15 @@ class Server:
     """`VLLMClient` of this server (one per event loop)."""
     cap: ConcurrencyCap
     alive: bool = True
-    rollouts: int = 0
-    """Rollouts finished on this server since the last metrics poll (`rollout/server{i}_rollouts_count`)."""
-    redispatched: int = 0
-    """Rollouts moved away from this server when it died."""
+    groups: int = 0
+    """Groups placed here (first placements and moves after a death)."""
     last_preempt: float | None = None
     death: str = ""
 
     @property
-    def free_slots(self) -> int:
-        return min(self.cap.limit, self.cap.max_concurrent) - self.cap.inflight
+    def busy(self) -> float:
+        """Rollouts in flight as a fraction of its cap."""
+        return self.cap.inflight / max(min(self.cap.limit, self.cap.max_concurrent), 1)
 
 
 class ServerPool:
@@ -78,11 +78,13 @@ class ServerPool:
                 self.mark_dead(server, "dropped by the trainer's weight sync (its weights would be stale)")
 
     def pick(self) -> Server:
-        """The alive server with the most free slots (ties: lower index)."""
+        """Where the next group goes: the alive server least busy, then with the fewest groups, then first."""
         alive = self.alive
         if not alive:
             raise NoServerLeftError(self._none_left_message())
-        return max(alive, key=lambda s: (s.free_slots, -s.index))
+        server = min(alive, key=lambda s: (s.busy, s.groups, s.index))
+        server.groups += 1
+        return server
 
     def mark_dead(self, server: Server, reason: str) -> None:
         if not server.alive:
@@ -112,10 +114,11 @@ class ServerPool:
     def gauges(self, alive: list[Server], polled: list) -> list[tuple[str, Any]]:
         """Server gauges from one `/metrics` poll of each alive server (None: that poll failed). KV usage: max
         over servers; running / queued: sums; preemptions: sum of each server's delta since its last poll."""
+        items: list[tuple[str, Any]] = [("rollout/servers_alive", len(alive))]
         seen = [(s, m) for s, m in zip(alive, polled) if m is not None]
         if not seen:
-            return []
-        items: list[tuple[str, Any]] = [
+            return items
+        items += [
             ("rollout/vllm_kv_cache_usage_frac", max(m.kv_cache_usage for _, m in seen)),
             ("rollout/vllm_running_requests", sum(m.running for _, m in seen)),
             ("rollout/vllm_queued_requests", sum(m.waiting for _, m in seen))]
@@ -126,14 +129,4 @@ class ServerPool:
             s.last_preempt = m.preemptions_total
         if len(self.servers) > 1:
             items += [(f"rollout/server{s.index}_concurrency_cap", s.cap.limit) for s in alive]
-        return items
-
-    def metrics(self) -> list[tuple[str, Any]]:
-        """Per-server rollout counts since the last call, and how many servers are alive."""
-        items: list[tuple[str, Any]] = [("rollout/servers_alive", len(self.alive))]
-        for s in self.servers:
-            items.append((f"rollout/server{s.index}_rollouts_count", s.rollouts))
-            if s.redispatched:
-                items.append(("rollout/redispatched_count", s.redispatched))
-            s.rollouts = s.redispatched = 0
         return items

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from grpo.config import AsyncGRPOConfig
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.samples import TurnRecord
-from grpo.server_pool import NoServerLeftError
+from grpo.server_pool import NoServerLeftError, ServerPool
 from grpo.vllm_client import ServerMetrics, ServerUnreachableError
 from grpo.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError, nccl_rank_offsets
 
@@ -84,6 +84,13 @@ def test_every_group_stays_on_one_server_and_both_servers_get_groups(tokenizer):
     assert all(len(h) == 1 for h in homes), homes
     assert {h.pop() for h in homes} == {"http://a", "http://b"}
     assert sum(s.requests for s in servers) == 12 * 4
+
+
+def test_idle_servers_take_groups_in_turn_and_a_busy_one_is_passed_over():
+    pool = ServerPool(["http://a", "http://b"], [None, None], max_concurrent=8)
+    assert [pool.pick().index for _ in range(4)] == [0, 1, 0, 1]  # all idle: the fewest groups placed first
+    pool.servers[0].cap.inflight = 1
+    assert pool.pick().index == 1
 
 
 def test_each_server_keeps_under_its_own_cap(tokenizer):
