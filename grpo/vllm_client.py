@@ -1,8 +1,9 @@
 """The module that knows vLLM's HTTP routes (with its mixin `vllm_lora_routes.py` for runtime LoRA adapters).
 
 `VLLMControl` is the synchronous control plane the trainer uses (readiness, introspection, pause/resume, the
-4-phase weight update, LoRA adapters). `/metrics` text is parsed in `vllm_metrics.py`. `VLLMClient` is the asynchronous generation client the rollout worker
-uses (one per event loop): token ids in, `TurnRecord` out, with retries and Prometheus metrics.
+4-phase weight update, LoRA adapters). `VLLMClient` is the asynchronous generation client the rollout worker uses
+(one per event loop and server): token ids in, `TurnRecord` out, with retries and Prometheus metrics. Parsing lives
+beside it: `/metrics` text in `vllm_metrics.py`, generation answers in `vllm_responses.py`.
 
 Every call carries a timeout; every non-2xx answer becomes a `VLLMServerError` that names the fix.
 """
