@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +202,36 @@ def test_the_last_server_failing_its_sync_raises():
     with pytest.raises(WeightSyncError, match="(?s)http://s1.*restart"):
         sync.sync(model, 2)
     assert controls[0].calls == [] and list(sync.alive_flags) == [0, 1]
+
+
+class StandInLoraControl(StandInControl):
+    def __init__(self, fail_on: str | None = None):
+        super().__init__(fail_on)
+        self.adapters: dict[str, str] = {}
+
+    def load_lora_adapter(self, name, path):
+        self._call("load")
+        self.adapters[name] = path
+
+    def unload_lora_adapter(self, name):
+        self._call("unload")
+        self.adapters.pop(name)
+
+
+def test_adapter_sync_reaches_every_server_and_drops_a_failing_one(tiny_qwen3, tmp_path):
+    from test_lora import peft_model
+
+    from grpo.lora import AdapterVersions
+
+    model = peft_model(tiny_qwen3, seed=0)
+    controls = [StandInLoraControl(), StandInLoraControl("load"), StandInLoraControl()]
+    sync = WeightSync(["http://s0", "http://s1", "http://s2"], WeightSyncConfig(mode="cpu_file"),
+                      adapter=AdapterVersions(tmp_path, "pol", keep=2))
+    sync.controls = controls
+    for version in (1, 2, 3):
+        sync.sync(model, version)
+    assert list(sync.alive_flags) == [1, 0, 1]
+    for c in (controls[0], controls[2]):  # the window of 2 versions on every server that is left
+        assert sorted(c.adapters) == ["pol-v2", "pol-v3"]
+        assert (Path(c.adapters["pol-v3"]) / "adapter_model.safetensors").exists()
+    assert controls[1].adapters == {}
