@@ -235,3 +235,17 @@ def test_adapter_sync_reaches_every_server_and_drops_a_failing_one(tiny_qwen3, t
         assert sorted(c.adapters) == ["pol-v2", "pol-v3"]
         assert (Path(c.adapters["pol-v3"]) / "adapter_model.safetensors").exists()
     assert controls[1].adapters == {}
+
+
+def test_one_url_or_several_on_the_cli_and_in_python():
+    import tyro
+
+    def parse(*args):
+        return tyro.cli(AsyncGRPOConfig, args=list(args)).vllm_server_urls
+
+    assert parse() == ("http://localhost:8000",)
+    assert parse("--vllm-server-base-url", "http://a:8000/") == ("http://a:8000",)
+    assert parse("--vllm-server-base-url", "http://a:8000", "http://b:8001") == ("http://a:8000", "http://b:8001")
+    assert AsyncGRPOConfig(vllm_server_base_url=["http://a", "http://b"]).vllm_server_urls == ("http://a", "http://b")
+    with pytest.raises(ValueError, match="distinct"):
+        AsyncGRPOConfig(vllm_server_base_url=("http://a", "http://a/")).vllm_server_urls
