@@ -341,6 +341,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     check_not_reimported()
     check_model_path(config.model)
     loss_fn = loss_function(config.loss)  # an options class without a registered loss fails here
+    log.info("vLLM servers: %s", " ".join(config.vllm_server_urls))  # a malformed URL fails here, before the data
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
     info = init_distributed(config.vllm_server_timeout)

@@ -199,6 +199,14 @@ class AsyncGRPOConfig:
         urls = tuple(u.rstrip("/") for u in ((raw,) if isinstance(raw, str) else raw))
         if not urls or len(set(urls)) != len(urls):
             raise ValueError(f"vllm_server_base_url={raw!r}: pass one or more distinct server URLs")
+        for url in urls:
+            if "://" not in url:
+                from grpo.losses import registered_losses
+
+                raise ValueError(
+                    f"--vllm-server-base-url {url!r} is not a server URL (http://host:port). If it was meant as the "
+                    f"loss subcommand, that loss is unknown (an unknown subcommand after the URLs is read as one more "
+                    f"URL); registered: {', '.join('loss:' + name for name in registered_losses())}")
         return urls
 
     @property

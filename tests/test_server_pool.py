@@ -247,5 +247,7 @@ def test_one_url_or_several_on_the_cli_and_in_python():
     assert parse("--vllm-server-base-url", "http://a:8000/") == ("http://a:8000",)
     assert parse("--vllm-server-base-url", "http://a:8000", "http://b:8001") == ("http://a:8000", "http://b:8001")
     assert AsyncGRPOConfig(vllm_server_base_url=["http://a", "http://b"]).vllm_server_urls == ("http://a", "http://b")
+    with pytest.raises(ValueError, match="'loss:typo' is not a server URL.*loss:dapo"):  # tyro read it as a URL
+        parse("--vllm-server-base-url", "http://a:8000", "loss:typo")
     with pytest.raises(ValueError, match="distinct"):
         AsyncGRPOConfig(vllm_server_base_url=("http://a", "http://a/")).vllm_server_urls
