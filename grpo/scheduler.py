@@ -28,7 +28,7 @@ from grpo.flow_control import ConcurrencyCap, TokenAllowance
 from grpo.multiturn import FoldStats, fold_turns
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
 from grpo.scoring import group_metrics, is_kept, rollout_metrics, score_group
-from grpo.server_pool import NoServerLeftError, Server, ServerGone, ServerPool
+from grpo.server_pool import GroupHome, NoServerLeftError, Server, ServerPool
 from grpo.tools import EnvironmentPool, call_tool, environment_tools, in_pool, tool_schema, with_env_prompt
 
 log = logging.getLogger("grpo.rollout")
@@ -46,13 +46,6 @@ class _RolloutResult:
     fold: FoldStats
     env_reward: tuple[type, float] | None
     duration_s: float
-
-
-@dataclass
-class _Home:
-    """The server a group's rollouts go to; moved (for the rollouts not yet finished) when it dies."""
-
-    server: Server
 
 
 def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool = True) -> str | None:
@@ -168,16 +161,7 @@ class RolloutScheduler:
         samples, fold = fold_turns(rollout.turns, self.config.num_sampler_logprobs or None)
         return _RolloutResult(rollout, prompt, samples, fold, env_reward, time.perf_counter() - start)
 
-    async def _slot(self, home: _Home) -> Server:
-        """A slot on the group's server; when that server dies, the group moves to the one `pick` names."""
-        while True:
-            try:
-                await self.pool.acquire(home.server)
-                return home.server
-            except ServerGone:
-                home.server = self.pool.pick()  # NoServerLeftError when none is left
-
-    async def _rollout_slot(self, row, group_id, version, home: _Home, server: Server) -> _RolloutResult:
+    async def _rollout_slot(self, row, group_id, version, home: GroupHome, server: Server) -> _RolloutResult:
         """Run one rollout on `server` (slot held); if the server dies under it, run it again where the group went."""
         from grpo.vllm_client import ServerUnreachableError
 
@@ -197,9 +181,7 @@ class RolloutScheduler:
             finally:
                 server.cap.release()
             try:
-                if not home.server.alive:
-                    home.server = self.pool.pick()
-                server = await self._slot(home)
+                server = await self.pool.slot(home)
             except NoServerLeftError as none_left:
                 raise none_left from cause
 
@@ -208,9 +190,9 @@ class RolloutScheduler:
         first dispatch."""
         tasks, version = [], None
         self.allowance.group_started()
-        home = _Home(self.pool.pick())
+        home = GroupHome(self.pool.pick())
         for _ in range(self.config.num_generations):
-            server = await self._slot(home)
+            server = await self.pool.slot(home)
             if version is None:
                 version = int(self.model_version_value.value) if self.model_version_value is not None else 0
             tasks.append(tg.create_task(self._rollout_slot(row, group_id, version, home, server)))

@@ -50,6 +50,13 @@ class Server:
         return self.cap.inflight / max(min(self.cap.limit, self.cap.max_concurrent), 1)
 
 
+@dataclass
+class GroupHome:
+    """The server a group's rollouts go to; moved, for the rollouts not yet finished, when it dies."""
+
+    server: Server
+
+
 class ServerPool:
     """The servers of one rollout worker, in `--vllm-server-base-url` order."""
 
@@ -110,6 +117,18 @@ class ServerPool:
         if not server.alive:  # woken by mark_dead
             server.cap.release()
             raise ServerGone(server.url)
+
+    async def slot(self, home: GroupHome) -> Server:
+        """A slot on the group's server; when that server is dead, the group moves to the one `pick` names first
+        (NoServerLeftError when none is left)."""
+        while True:
+            if not home.server.alive:
+                home.server = self.pick()
+            try:
+                await self.acquire(home.server)
+                return home.server
+            except ServerGone:
+                continue
 
     def gauges(self, alive: list[Server], polled: list) -> list[tuple[str, Any]]:
         """Server gauges from one `/metrics` poll of each alive server (None: that poll failed). KV usage: max
