@@ -25,13 +25,28 @@ from .test_run_faults import ENV, PY, records, start
 IDS = [1, 77, 300, 12, 500, 42, 2, 1, 9, 600]
 
 
+def start_dp_server(model_dir: Path, tmp: Path):
+    """conftest's CPU server with 2 data-parallel engines behind one API server; its seven processes start slowly
+    on a loaded 2-core machine (90 s alone, past 240 s beside other servers), hence the longer deadline."""
+    from grpo.vllm_server import ServeConfig, free_port, launch
+
+    cfg = ServeConfig(model=str(model_dir), port=free_port(), max_model_len=512, dtype="float32", cpu=True,
+                      weight_transfer_backend="cpu_file",
+                      extra_args=("--data-parallel-size", "2", "--api-server-count", "1"))
+    return launch(cfg, log_path=tmp / f"vllm_dp_{cfg.port}.log", timeout=600)
+
+
 @pytest.fixture(scope="module")
 def server_pair(tiny_qwen3, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server_pair")
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_server, tiny_qwen3, tmp),
-                   pool.submit(start_server, tiny_qwen3, tmp, extra_args=("--data-parallel-size", "2"))]
-    servers = [f.result() for f in futures]  # raises (after both ended) if either failed to start
+        futures = [pool.submit(start_server, tiny_qwen3, tmp), pool.submit(start_dp_server, tiny_qwen3, tmp)]
+        servers = [f.result() if f.exception() is None else None for f in futures]
+    if None in servers:  # stop the one that started, then raise the other's error
+        for server in servers:
+            if server is not None:
+                server.stop()
+        next(f.result() for f in futures if f.exception() is not None)
     yield servers
     for server in servers:
         server.stop()
