@@ -223,7 +223,20 @@ _KERNEL_CHOICE: dict = {}
 
 
 def _probe(rule, device: torch.device) -> None:
-    """Forward + backward of a two-segment varlen call with an initial state, as the tree path makes it."""
+    """Forward + backward of a two-segment varlen call with an initial state, as the tree path makes it. FLA's
+    own refusal of Triton < 3.7.1 on Hopper (wrong gated backward there) is read first: compiling the probe's
+    kernels costs about a minute."""
+    import importlib
+    import importlib.util
+
+    try:
+        flags = importlib.import_module("fla.ops.common.chunk_o")
+    except ImportError:
+        flags = None
+    if (getattr(flags, "IS_NVIDIA_HOPPER", False) and getattr(flags, "TRITON_ABOVE_3_4_0", False)
+            and not getattr(flags, "TRITON_ABOVE_3_7_1", True) and importlib.util.find_spec("tilelang") is None):
+        raise RuntimeError("FLA refuses its gated backward with Triton >= 3.4, < 3.7.1 on Hopper (wrong results); "
+                           "install triton >= 3.7.1 or tilelang")
     n, h, d = 64, 2, 64
     q, k, v = (torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     g = (-torch.rand(1, n, h, device=device) * 0.1).requires_grad_()
