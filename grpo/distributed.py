@@ -71,6 +71,8 @@ def shard_model(model: torch.nn.Module, info: DistInfo, mixed_precision: bool) -
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
+    if info.world_size == 1:  # nothing to free by resharding: keep the bf16 copy for the backward (no re-cast)
+        kwargs["reshard_after_forward"] = False
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
