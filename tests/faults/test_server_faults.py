@@ -166,7 +166,8 @@ def test_a_server_killed_mid_run_leaves_the_run_training_on_the_other(server_pai
     assert server_pair[1].base_url in text and "is dead" in text, text[-3000:]  # the warning names the server
     rows = records(out, "metrics.jsonl")
     assert rows[-1]["step"] == 10
-    assert rows[-1].get("rollout/servers_alive") == 1, rows[-1]
+    alive = [r["rollout/servers_alive"] for r in rows if r.get("rollout/servers_alive") is not None]  # 5 s polls
+    assert alive and alive[-1] == 1, alive
     assert server_counts(rows[killed_after + 1:], 2)[0] > 0  # training went on with server 0's rollouts
     final = json.loads((out / "checkpoint-10" / "rollout_state.json").read_text())
     result = audit(out, final["prompt_index"])
