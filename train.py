@@ -13,27 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass, field
 
 from grpo.config import DEFAULT_DATASET, AsyncGRPOConfig
+from grpo.step_plan import StepPlan  # the micro-batch plan train_micro_batch consumes (also imported from here)
 
 log = logging.getLogger("train")
-
-
-@dataclass
-class StepPlan:
-    """What rank 0 decided for one micro-batch, broadcast to every rank."""
-
-    rows: list  # one list[TrainingSample] per rank
-    trained_tokens: int  # loss terms over all rows (the `token` normaliser)
-    stats: dict = field(default_factory=dict)  # batch/* metrics of this micro-batch
-
-    @property
-    def trained_sequences(self) -> int:
-        """Samples with at least one loss term over all rows (the `sequence` / `constant` normalisers)."""
-        return sum(1 for row in self.rows for s in row if s.num_trained > 0)
 
 
 # ------------------------------------------------------------------------------------------ building the pieces
@@ -154,7 +139,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
 
     import torch
 
-    from grpo.distributed import shard_model
+    from grpo.distributed import hsdp_replicas, shard_model
     from grpo.gdn import patch_gdn_layers
     from grpo.lora import packed_forward_module, peft_config_from_run, wrap_policy
     from grpo.memory import checkpointing_fraction, probe_samples
@@ -175,7 +160,8 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
         log.info("torch.compile: %d decoder regions (norms, MLPs, rotary)", compile_layer_regions(model))
     policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
                           config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
-    policy = shard_model(policy, info, mixed_precision=mixed_precision)
+    policy = shard_model(policy, info, mixed_precision=mixed_precision,
+                         replicas=hsdp_replicas(config.hsdp_replicas, info))
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))
                 if bf16 and not mixed_precision and config.dtype != "bfloat16" else contextlib.nullcontext)
 
@@ -208,35 +194,6 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None) ->
 
 
 # ------------------------------------------------------------------------------------------ one micro-batch
-
-def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | None:
-    """Rank 0: pull samples into the batcher until it closes a micro-batch. None when the epochs are consumed."""
-    while True:
-        if stop_groups is not None and worker.delivered.low_water >= stop_groups:  # every group of the epochs
-            rows = batcher.flush()
-            if rows is None:
-                return None
-            rows, _ = worker.recheck_staleness(rows)
-            if any(s.group_id >= 0 for row in rows for s in row):
-                break
-            continue
-        sample = worker.get(timeout=1.0)
-        if sample is None or (stop_groups is not None and sample.group_id >= stop_groups):
-            continue  # groups past the last epoch are generated while the run winds down, never trained
-        oversize = batcher.dropped_oversize_count
-        rows = batcher.add(sample)
-        if batcher.dropped_oversize_count > oversize:  # longer than token_budget: logged by the batcher, booked here
-            worker.ledger.dropped(sample.group_id, "oversize")
-        if rows is not None:
-            # the batch-closing sample starts the next batch and may wait there across a weight sync
-            rows, _ = worker.recheck_staleness(rows)
-            if any(s.group_id >= 0 for row in rows for s in row):
-                break
-    stats = batcher.last_stats.as_metrics()
-    stats["batch/dropped_oversize_count"] = batcher.dropped_oversize_count
-    batcher.dropped_oversize_count = 0
-    return StepPlan(rows, sum(s.num_trained for row in rows for s in row), stats)
-
 
 def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
                       autocast, max_completion_length: int = 1) -> dict:
@@ -318,12 +275,14 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import barrier, broadcast_object, init_distributed
     from grpo.flops import device_peak_flops
+    from grpo.ledger import no_step_message, record_prompts
     from grpo.lora import adapter_versions_for, choose_sync_mode
     from grpo.losses import loss_function
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
     from grpo.queue import RolloutWorker, staleness_allowance
     from grpo.repro import write_repro_bundle
+    from grpo.step_plan import plan_step
     from grpo.weight_sync import WeightSync, WeightSyncConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -334,6 +293,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
     info = init_distributed(config.vllm_server_timeout)
+    ckpt.check_shared_output_dir(config.output_dir)  # rank 0 writes what every rank reads back on resume
     torch.manual_seed(config.seed)
     facts = broadcast_object(server_facts(config) if info.is_main else None, info)
     budget = config.token_budget or facts["max_model_len"]
@@ -341,13 +301,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget, peft_config)
 
-    resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
-    state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
-             "run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"}
-    if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, model, optimizer, scheduler) | {"run_id": state["run_id"]}
-        if info.is_main:
-            log.info("resumed from %s at step %d, prompt %d", resume_path, state["step"], state["prompt_index"])
+    state = ckpt.start_state(config.resume_from_checkpoint, config.output_dir, model, optimizer, scheduler,
+                             log_on_this_rank=info.is_main)
 
     mode = config.weight_transfer if config.weight_transfer != "auto" else (
         "nccl" if info.device.type == "cuda" else "cpu_file")
@@ -432,26 +387,6 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     return {"step": step, "model_version": version, "output_dir": config.output_dir}
 
 
-def plan_step(worker, batcher, stop_groups, grad_accum: int, info) -> list[StepPlan]:
-    """Up to `grad_accum` micro-batch plans, decided on rank 0 and broadcast; fewer (or none) at the end of data."""
-    from grpo.distributed import broadcast_object
-
-    plans = []
-    for _ in range(grad_accum):
-        plan = broadcast_object(plan_micro_batch(worker, batcher, stop_groups) if info.is_main else None, info)
-        if plan is None:
-            break
-        plans.append(plan)
-    return plans
-
-
-def no_step_message(worker) -> str:
-    drops = dict(worker.ledger.drop_counts) if worker is not None else "see rank 0"
-    return (f"the run ended without a single optimizer step: every group was dropped ({drops}; equal_rewards = all "
-            f"rollouts of a prompt scored the same, unscored = every reward None/NaN). Check the reward functions "
-            f"with `python rollout.py sample`, or raise num_generations / num_train_epochs")
-
-
 def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics, model_config, peak) -> dict:
     """Per-step metrics with the spec's names (batch/*, sample/*, perf/*), summed over ranks where they are counts;
     loss and sampling metrics over every rank's micro-batches (mean, or the extreme for max/min names)."""
@@ -497,25 +432,6 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
     for m in losses:
         window.extend(m.items())
     return out | window.reduce()
-
-
-def record_prompts(output_dir: str, step: int, samples, resumed: dict, drops) -> None:
-    """Append which prompt positions (dataset_start_index + group_id) this step trained to trained_prompts.jsonl,
-    and the groups dropped since the last step, with the reason, to dropped_prompts.jsonl: the audit trail for
-    epochs and resume. `run` tells runs apart and `resumed_from` is the checkpoint step a run started from: records
-    of the earlier run after that step were rolled back with the model. Each position is trained in one run only,
-    or recorded as dropped. `samples=None` records drops only."""
-    import json
-    from pathlib import Path
-
-    run = {"step": step, "resumed_from": resumed["step"], "run": resumed["run_id"]}
-    if samples is not None:
-        positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
-        with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
-            f.write(json.dumps(run | {"prompts": positions}) + "\n")
-    if drops:
-        with open(Path(output_dir) / "dropped_prompts.jsonl", "a") as f:
-            f.write(json.dumps(run | {"prompts": [[p, reason] for p, reason in drops]}) + "\n")
 
 
 def log_window(logger, step: int, window: list[dict], worker) -> None:
