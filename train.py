@@ -273,7 +273,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
 
     from grpo import checkpoint as ckpt
     from grpo.batcher import TokenBudgetBatcher
-    from grpo.distributed import barrier, broadcast_object, init_distributed
+    from grpo.distributed import barrier, broadcast_object, hsdp_replicas, init_distributed
     from grpo.flops import device_peak_flops
     from grpo.ledger import no_step_message, record_prompts
     from grpo.lora import adapter_versions_for, choose_sync_mode
@@ -293,6 +293,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
     info = init_distributed(config.vllm_server_timeout)
+    hsdp_replicas(config.hsdp_replicas, info)  # a bad value fails here, before the server is contacted
     ckpt.check_shared_output_dir(config.output_dir)  # rank 0 writes what every rank reads back on resume
     torch.manual_seed(config.seed)
     facts = broadcast_object(server_facts(config) if info.is_main else None, info)

@@ -26,15 +26,12 @@ class DistInfo:
     local_rank: int
     device: torch.device
     local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
+    num_nodes: int = 1  # torchrun agents, one per node (GROUP_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
         """Global rank 0: the one process that runs the rollout worker, talks to vLLM and writes shared files."""
         return self.rank == 0
-
-    @property
-    def num_nodes(self) -> int:
-        return max(1, self.world_size // max(1, self.local_world_size))
 
 
 def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
@@ -43,6 +40,7 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", max(1, world // local_world)))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -53,7 +51,7 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank, world, local_rank, device, local_world)
+    return DistInfo(rank, world, local_rank, device, local_world, nodes)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -68,6 +66,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 def hsdp_replicas(setting: str, info: DistInfo) -> int:
     """`--hsdp-replicas` -> the number of replica groups: `1` = plain FSDP over all ranks, `auto` = one group
     per node (sharded inside a node, replicated across nodes), N = N groups of world/N ranks each."""
+    if setting == "auto" and info.num_nodes * info.local_world_size != info.world_size:
+        raise ValueError(f"--hsdp-replicas auto needs the same --nproc-per-node on every node ({info.num_nodes} nodes, "
+                         f"{info.local_world_size} processes here, world {info.world_size}): pass --hsdp-replicas N")
     replicas = info.num_nodes if setting == "auto" else int(setting) if setting.isdigit() else 0
     if replicas < 1 or info.world_size % replicas:
         raise ValueError(f"--hsdp-replicas {setting!r}: need `auto` or a positive integer dividing the world size "

@@ -109,3 +109,18 @@ def test_output_dir_not_shared_fails_naming_the_rank(two_nodes):
     message = torch.load(out / "1.pt")["not_shared_error"]
     assert message is not None and "is not shared by every node" in message
     assert [f"rank {r} on " in message for r in range(2 * per_node)] == [False] + [True] * (2 * per_node - 1)
+
+
+def test_hsdp_replicas_setting():
+    from grpo.distributed import DistInfo, hsdp_replicas
+
+    def info(world, local, nodes):
+        return DistInfo(0, world, 0, torch.device("cpu"), local, nodes)
+
+    assert hsdp_replicas("1", info(8, 4, 2)) == 1
+    assert hsdp_replicas("auto", info(8, 4, 2)) == 2
+    assert hsdp_replicas("auto", info(1, 1, 1)) == 1
+    assert hsdp_replicas("4", info(8, 8, 1)) == 4
+    for setting, world, local, nodes in (("3", 8, 4, 2), ("0", 8, 4, 2), ("two", 8, 4, 2), ("auto", 8, 6, 2)):
+        with pytest.raises(ValueError, match="hsdp-replicas"):
+            hsdp_replicas(setting, info(world, local, nodes))
