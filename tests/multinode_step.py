@@ -5,7 +5,8 @@ rank of a torchrun launch (`torchrun --nnodes 2 ... tests/multinode_step.py MODE
 Per sharding (`--hsdp-replicas 1` = FSDP, `auto` = HSDP with one replica per node): step 1 on batch A, a checkpoint,
 step 2 on batch B. Rank 0 writes `<OUT_DIR>/<name>.pt` with the full gradients and parameters after each step, the
 tensors the weight sync would send (gathered through grpo/weight_sync.py's plan), Adam's moments after step 1 and
-the mesh shape. `--resume CKPT` loads CKPT first and runs step 2 only (the 1-node resume of a 2-node checkpoint).
+the mesh shape. `run(..., resume=CKPT)` loads CKPT and runs step 2 only: a 1-node resume of a 2-node checkpoint, and (`--resume`)
+a 2-node resume of a 1-node one.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--shardings", nargs="+", default=["1", "auto"])
+    parser.add_argument("--resume", help="then also, per sharding: load this checkpoint, step 2 (resume-<name>.pt)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     info = init_distributed(timeout_s=300)
@@ -110,6 +112,11 @@ def main() -> None:
         if info.is_main:
             torch.save(result | {"world": info.world_size, "nodes": info.num_nodes,
                                  "not_shared_error": not_shared_error}, args.out_dir / f"{sharding}.pt")
+    for sharding in args.shardings if args.resume else ():
+        result = run(args.model_dir, args.out_dir, sharding, info, resume=args.resume)
+        if info.is_main:
+            torch.save(result, args.out_dir / f"resume-{sharding}.pt")
+    torch.distributed.barrier()  # nobody tears the groups down while another rank still uses them
     torch.distributed.destroy_process_group()
 
 

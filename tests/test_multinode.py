@@ -18,7 +18,7 @@ PY = sys.executable
 TOL = dict(atol=1e-6, rtol=0)
 
 
-def launch_two_nodes(model_dir, out, nproc_per_node: int) -> None:
+def launch_two_nodes(model_dir, out, nproc_per_node: int, resume) -> None:
     """Two torchrun launches meeting at a c10d rendezvous, as on two hosts (here both on 127.0.0.1)."""
     from grpo.vllm_server import free_port
 
@@ -28,7 +28,7 @@ def launch_two_nodes(model_dir, out, nproc_per_node: int) -> None:
     for node in range(2):
         cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
                str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name,
-               str(REPO / "tests" / "multinode_step.py"), str(model_dir), str(out)]
+               str(REPO / "tests" / "multinode_step.py"), str(model_dir), str(out), "--resume", str(resume)]
         log = open(out / f"node{node}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
     try:
@@ -46,19 +46,21 @@ def launch_two_nodes(model_dir, out, nproc_per_node: int) -> None:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_qwen3, tmp_path_factory):
-    """The reference: the same two steps in this process, unsharded."""
+    """The reference: the same two steps in this process, unsharded (its checkpoint: `one_process_checkpoint`)."""
     from multinode_step import run
 
     from grpo.distributed import init_distributed
 
-    return run(str(tiny_qwen3), tmp_path_factory.mktemp("one"), "1", init_distributed())
+    out = tmp_path_factory.mktemp("one")
+    return run(str(tiny_qwen3), out, "1", init_distributed()) | {"checkpoint": out / "1" / "checkpoint-1"}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["2x1", "2x2"])
-def two_nodes(request, tiny_qwen3, tmp_path_factory):
-    """2 nodes x 1 process (HSDP mesh 2x1), and 2 nodes x 2 processes (HSDP mesh 2x2: sharded in a node)."""
+def two_nodes(request, tiny_qwen3, tmp_path_factory, one_process):
+    """2 nodes x 1 process (HSDP mesh 2x1), and 2 nodes x 2 processes (HSDP mesh 2x2: sharded in a node); each
+    launch also resumes the one-process checkpoint."""
     out = tmp_path_factory.mktemp(f"nodes{request.param}") / "run"
-    launch_two_nodes(tiny_qwen3, out, request.param)
+    launch_two_nodes(tiny_qwen3, out, request.param, one_process["checkpoint"])
     return out, request.param
 
 
@@ -102,6 +104,17 @@ def test_two_node_checkpoint_resumes_on_one_node(two_nodes, tiny_qwen3, tmp_path
     _assert_close(resumed["loaded"], got["step1"]["params"], "loaded weights", atol=0, rtol=0)
     _assert_close(resumed["loaded_exp_avg"], got["exp_avg"], "loaded exp_avg", atol=0, rtol=0)
     _assert_close(resumed["step2"]["params"], got["step2"]["params"], "the step after resume")
+
+
+@pytest.mark.parametrize("sharding", ["1", "auto"])
+def test_one_node_checkpoint_resumes_on_two_nodes(two_nodes, one_process, sharding):
+    """Loading a full checkpoint into the sharded model (DTensors over the 1-D or 2-D mesh) is exact."""
+    out, _ = two_nodes
+    resumed = torch.load(out / f"resume-{sharding}.pt")
+    assert resumed["state"]["step"] == 1 and resumed["scheduler_epoch"] == 1
+    _assert_close(resumed["loaded"], one_process["step1"]["params"], "loaded weights", atol=0, rtol=0)
+    _assert_close(resumed["loaded_exp_avg"], one_process["exp_avg"], "loaded exp_avg", atol=0, rtol=0)
+    _assert_close(resumed["step2"]["params"], one_process["step2"]["params"], "the step after resume")
 
 
 def test_output_dir_not_shared_fails_naming_the_rank(two_nodes):
