@@ -6,7 +6,7 @@ torch >= 2.6's CPU path), so a 2-process CPU run exercises the same sharded code
 Several nodes: torchrun's c10d rendezvous forms one process group over every node; nothing here is node-aware
 beyond reading LOCAL_WORLD_SIZE. `replicas > 1` shards with HSDP over a 2-D mesh (replicate x shard): parameters
 are sharded inside a group of `world / replicas` ranks and replicated across groups, so the per-layer all-gathers
-stay on the fast intra-node links and only the gradient all-reduce crosses nodes (docs/design.md §17).
+stay on the fast intra-node links and only the gradient all-reduce crosses nodes (docs/design.md §18).
 """
 
 from __future__ import annotations
