@@ -153,13 +153,17 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
                         config.router_aux_loss_coef).to(info.device)
     if (peft_config := peft_config or peft_config_from_run(config)) is not None:
         model = wrap_policy(model, peft_config)
-    patch_gdn_layers(model)
+    patch_gdn_layers(model, config.gdn_kernel)
     bf16 = config.bf16 if config.bf16 is not None else info.device.type == "cuda"
     mixed_precision = bf16 and config.dtype == "float32"
-    if config.compile_layers if config.compile_layers is not None else info.device.type == "cuda":
-        log.info("torch.compile: %d decoder regions (norms, MLPs, rotary)", compile_layer_regions(model))
+    compile_layers = config.compile_layers if config.compile_layers is not None else info.device.type == "cuda"
+    if compile_layers:
+        log.info("torch.compile: %d decoder regions (norms, MLPs, rotary) and the log-prob head's softmax passes",
+                 compile_layer_regions(model))
+    cuda = info.device.type == "cuda"  # keep the head's forward logits for its backward: <= 4 GiB, counted by the probe
     policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
-                          config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef))
+                          config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef),
+                          keep_logits_bytes=(4 << 30) if cuda else 0, fused_head=compile_layers)
     policy = shard_model(policy, info, mixed_precision=mixed_precision,
                          replicas=hsdp_replicas(config.hsdp_replicas, info))
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))
@@ -185,44 +189,93 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None) ->
 
     from grpo.model import trainable_parameters
 
-    t0 = time.perf_counter()
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(policy), max_grad_norm or 1e30)
+    params = trainable_parameters(policy)
+    timer = _StepTimer(params[0].device)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or 1e30)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, time.perf_counter() - t0
+    timer.mark()
+    return grad_norm, timer.seconds()[0]  # waits for the step's GPU work: the end of a step is a sync point
 
 
 # ------------------------------------------------------------------------------------------ one micro-batch
 
 def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
                       autocast, max_completion_length: int = 1) -> dict:
-    """Pack this rank's samples, forward/backward, return the loss metrics. The normaliser is global over ranks."""
+    """Pack this rank's samples, forward/backward, return the loss metrics. The normaliser is global over ranks.
+
+    Nothing here waits for the GPU: the metrics stay tensors and the timings CUDA events (resolve_metrics reads
+    them once per step, after the optimizer), so the host packs the next micro-batch while this one runs."""
     import torch
 
     from grpo.trie import pack_samples
 
     device = next(policy.parameters()).device
     row = pack_samples(samples).to(device)
-    t0 = time.perf_counter()
+    timer = _StepTimer(device)
     with autocast():
         out = policy(row)
-    t_fwd = _sync_time(t0, device)
+    timer.mark()
     metrics: dict = {}
     if row.num_loss_terms == 0:  # a zero-weight dummy row: forward/backward anyway to keep FSDP collectives aligned
         loss = out.policy_logprobs.sum() * 0.0
     else:
         loss, metrics = normalized_row_loss(out, row, samples, plan, loss_fn, loss_options, world, grad_accum,
                                             max_completion_length)
-        metrics = {k: float(v) for k, v in metrics.items()} | {"entropy": float(out.entropy.mean())}
+        metrics = {k: torch.as_tensor(v).detach() for k, v in metrics.items()} | {"entropy": out.entropy.mean()}
     if out.aux_loss is not None:  # router_aux_loss_coef x aux_loss / GA (docs/losses.md)
         loss = loss + policy_module(policy).aux_coef * out.aux_loss / grad_accum
-        metrics["aux_loss"] = float(out.aux_loss.detach())
+        metrics["aux_loss"] = out.aux_loss.detach()
     loss.backward()
-    metrics |= {"loss": float(loss.detach()) * grad_accum, "perf/fwd_s": t_fwd,
-                "perf/fwd_bwd_s": _sync_time(t0, device), "_forwarded": row.num_tokens,
-                "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}
-    return metrics
+    timer.mark()
+    return metrics | {"loss": loss.detach() * grad_accum, "_timer": timer, "_forwarded": row.num_tokens,
+                      "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}
+
+
+def resolve_metrics(micro: list[dict]) -> list[dict]:
+    """train_micro_batch's metrics as plain floats, with perf/fwd_s and perf/fwd_bwd_s: one device sync."""
+    import torch
+
+    keys = [(i, k) for i, m in enumerate(micro) for k, v in m.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([micro[i][k].float().reshape(()) for i, k in keys]).tolist() if keys else []
+    out = [{k: v for k, v in m.items() if k != "_timer"} for m in micro]
+    for (i, k), value in zip(keys, values):
+        out[i][k] = value
+    for m, resolved in zip(micro, out):
+        if (timer := m.get("_timer")) is not None:
+            resolved["perf/fwd_s"], resolved["perf/fwd_bwd_s"] = timer.seconds()
+    return out
+
+
+class _StepTimer:
+    """Forward and forward+backward time of one micro-batch: CUDA events on a GPU (no host sync), wall clock on
+    CPU (where every op is synchronous anyway)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.marks = [torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()]
+        if self.cuda:
+            self.marks[0].record()
+
+    def mark(self) -> None:
+        import torch
+
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds from the start to each mark (waits for the last one)."""
+        start, *marks = self.marks
+        if self.cuda:
+            marks[-1].synchronize()
+            return [start.elapsed_time(m) / 1e3 for m in marks]
+        return [m - start for m in marks]
 
 
 # ==================================== LOSS REGION: what a loss sees and how its terms are normalised ===============
@@ -255,14 +308,6 @@ def normalized_row_loss(out, row, samples, plan: StepPlan, loss_fn, loss_options
 
 def policy_module(policy):
     return getattr(policy, "module", policy)
-
-
-def _sync_time(t0: float, device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -349,6 +394,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, config.loss, info.world_size,
                                        len(plans), autocast, config.max_completion_length) for p in plans]
             grad_norm, optimizer_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
+            micro = resolve_metrics(micro)
             step += 1
             sync_metrics = {}
             if step % config.weight_sync_steps == 0:

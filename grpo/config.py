@@ -47,8 +47,12 @@ class AsyncGRPOConfig:
     bf16: bool | None = None
     """bf16 compute for forward/backward (fp32 masters, FSDP2 mixed precision); None = on when CUDA is available."""
     compile_layers: bool | None = None
-    """torch.compile each decoder layer's norms, MLP and rotary embedding (fused elementwise work);
-    None = on when CUDA is available."""
+    """torch.compile each decoder layer's norms, MLP and rotary embedding and the log-prob head's softmax passes
+    (fused elementwise work); None = on when CUDA is available."""
+    gdn_kernel: Literal["auto", "fla", "torch"] = "auto"
+    """Gated DeltaNet (Qwen3.5) recurrence on tree rows: fla = flash-linear-attention's varlen Triton kernel
+    (`pip install fla-core`), torch = transformers' chunked kernel per padded trie level; auto = fla on CUDA when
+    installed."""
 
     # ---- PEFT / LoRA -----------------------------------------------------------------------------------------------
     lora_r: int = 0

@@ -106,6 +106,8 @@ def shard_model(model: torch.nn.Module, info: DistInfo, mixed_precision: bool, r
     kwargs = {"mp_policy": mp} if mp is not None else {}
     if replicas > 1:  # a 2-D mesh makes fully_shard replicate over dim 0 and shard over dim 1 (HSDP)
         kwargs["mesh"] = device_mesh(info, replicas)
+    if info.world_size == 1:  # nothing to free by resharding: keep the bf16 copy for the backward (no re-cast)
+        kwargs["reshard_after_forward"] = False
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

@@ -26,12 +26,14 @@ a row), and calls the original forward otherwise.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LevelPlan:
@@ -40,6 +42,9 @@ class LevelPlan:
     gather_index: torch.Tensor  # [B, T] packed position of each slot; N (a zero row) for padding
     valid: torch.Tensor  # [B, T] bool, False at padding
     parent_slot: torch.Tensor | None  # [B] row of the parent in the previous level's final states; None for roots
+    flat_index: torch.Tensor  # [n_level] packed positions of the level's tokens, segment after segment (varlen)
+    cu_seqlens: torch.Tensor  # [B + 1] long, segment bounds within flat_index (on the row's device)
+    cu_seqlens_cpu: torch.Tensor  # the same on the CPU (a varlen kernel reads it without a device sync)
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
         valid = offsets[None, :] < lengths[:, None]  # [B, T]
         gather_index = torch.where(valid, starts[:, None] + offsets[None, :], token_pred.shape[0])  # [B, T]
         parent_slot = None if level == 0 else torch.tensor([slot_in_level[parents[s]] for s in segs], device=device)
-        plans.append(LevelPlan(gather_index, valid, parent_slot))
+        cu_cpu = torch.tensor([0] + [bounds[s + 1] - bounds[s] for s in segs]).cumsum(0)  # [B + 1]
+        plans.append(LevelPlan(gather_index, valid, parent_slot, gather_index[valid], cu_cpu.to(device), cu_cpu))
     order = torch.cat([p.gather_index[p.valid] for p in plans])  # [N] packed positions, level-major
     return TreeScanPlan(conv_index_table(token_pred, kernel_size), plans, torch.argsort(order))
 
@@ -168,6 +174,81 @@ def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: Tr
     return torch.cat(outputs)[plan.unpermute]  # [N, H, D_v]
 
 
+def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
+    """The same recurrence through a varlen kernel (FLA's `chunk_gated_delta_rule` with `cu_seqlens` and one
+    initial state per segment): one call per level, no padding, grouped q/k heads passed as they are.
+
+    query/key [N, H_k, D_k], value [N, H_v, D_v], g/beta [N, H_v]; returns [N, H_v, D_v].
+    """
+    outputs, final_states = [], None
+    for level in plan.levels:
+        q_l, k_l, v_l, g_l, beta_l = (t[level.flat_index][None] for t in (query, key, value, g, beta))  # [1, n, ..]
+        initial_state = None if level.parent_slot is None else final_states[level.parent_slot]  # [B, H, D_k, D_v]
+        out_l, final_states = varlen_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
+        outputs.append(out_l[0])  # [n_level, H, D_v]
+    return torch.cat(outputs)[plan.unpermute]  # [N, H, D_v]
+
+
+def varlen_kernel(choice: str, device: torch.device):
+    """FLA's varlen chunked gated delta rule when `choice` allows it, else None (the padded per-level path through
+    transformers' torch kernel). "fla": required (errors name the fix); "auto": on CUDA when `fla` imports AND a
+    64-token forward + backward probe runs on this device (FLA refuses some Triton/GPU pairs, e.g. Triton < 3.7.1
+    on Hopper for the gated backward): the reason is logged once and the torch path is used."""
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return None
+    if (device.type, choice) in _KERNEL_CHOICE:
+        return _KERNEL_CHOICE[(device.type, choice)]
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        if choice == "fla":
+            raise ImportError(f"gdn_kernel='fla' needs flash-linear-attention's kernels: pip install fla-core "
+                              f"({exc})") from exc
+        log.info("Gated DeltaNet: padded torch kernel per trie level (fla not installed: pip install fla-core)")
+        return _KERNEL_CHOICE.setdefault((device.type, choice), None)
+    if choice == "auto":
+        try:
+            _probe(chunk_gated_delta_rule, device)
+        except Exception as exc:  # noqa: BLE001 - any kernel failure means: use the torch path
+            log.warning("Gated DeltaNet: FLA's varlen kernel fails on this device (%s: %s); using the padded torch "
+                        "kernel per trie level", type(exc).__name__, str(exc).splitlines()[0][:300])
+            return _KERNEL_CHOICE.setdefault((device.type, choice), None)
+        log.info("Gated DeltaNet: FLA varlen kernel per trie level")
+    return _KERNEL_CHOICE.setdefault((device.type, choice), chunk_gated_delta_rule)
+
+
+_KERNEL_CHOICE: dict = {}
+
+
+def _probe(rule, device: torch.device) -> None:
+    """Forward + backward of a two-segment varlen call with an initial state, as the tree path makes it. FLA's
+    own refusal of Triton < 3.7.1 on Hopper (wrong gated backward there) is read first: compiling the probe's
+    kernels costs about a minute."""
+    import importlib
+    import importlib.util
+
+    try:
+        flags = importlib.import_module("fla.ops.common.chunk_o")
+    except ImportError:
+        flags = None
+    if (getattr(flags, "IS_NVIDIA_HOPPER", False) and getattr(flags, "TRITON_ABOVE_3_4_0", False)
+            and not getattr(flags, "TRITON_ABOVE_3_7_1", True) and importlib.util.find_spec("tilelang") is None):
+        raise RuntimeError("FLA refuses its gated backward with Triton >= 3.4, < 3.7.1 on Hopper (wrong results); "
+                           "install triton >= 3.7.1 or tilelang")
+    n, h, d = 64, 2, 64
+    q, k, v = (torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = (-torch.rand(1, n, h, device=device) * 0.1).requires_grad_()
+    beta = torch.rand(1, n, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    h0 = torch.zeros(2, h, d, d, device=device, requires_grad=True)
+    cu = torch.tensor([0, 40, n], device=device)
+    out, final = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    (out.float().sum() + final.sum()).backward()
+    torch.cuda.synchronize(device)
+
+
 def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> torch.Tensor:
     """A Qwen3.5 GDN layer's forward on one packed row: hidden_states [1, N, hidden] -> [1, N, hidden].
 
@@ -186,6 +267,10 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     z = layer.in_proj_z(x).reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
     beta = layer.in_proj_b(x).sigmoid()  # [N, H_v]
     g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias)  # [N, H_v]
+    if (varlen_rule := varlen_kernel(getattr(layer, "_tree_gdn_kernel", "auto"), x.device)) is not None:
+        core_attn_out = tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan)
+        core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+        return layer.out_proj(core_attn_out.reshape(1, n_tokens, -1))  # [1, N, hidden]
     if layer.num_v_heads // layer.num_k_heads > 1:
         query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
         key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
@@ -201,12 +286,13 @@ def is_gdn_layer(module) -> bool:
         hasattr(module, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d"))
 
 
-def patch_gdn_layers(model) -> int:
+def patch_gdn_layers(model, kernel: str = "auto") -> int:
     """Wrap every GDN layer's `forward` so it runs tree-aware during a packed forward (`forward_hidden`).
 
     Works on text and VLM Qwen3.5 models (any module tree). Idempotent; returns the number of GDN layers.
     Outside a packed forward (no active row) the original forward runs unchanged, e.g. for generation.
     Models whose GDN modules have another layout (Qwen3-Next's fused in_proj_qkvz) are rejected by name.
+    `kernel` picks the recurrence's kernel (`varlen_kernel`): auto | fla | torch.
     """
     plan_cache = _RowPlanCache()
     n_layers = 0
@@ -217,6 +303,7 @@ def patch_gdn_layers(model) -> int:
         if not is_gdn_layer(module):
             continue
         n_layers += 1
+        module._tree_gdn_kernel = kernel
         if getattr(module, "_tree_original_forward", None) is None:
             module._tree_original_forward = module.forward
             module.forward = functools.partial(_tree_aware_forward, module, plan_cache)

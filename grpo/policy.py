@@ -26,8 +26,9 @@ class PolicyOutput:
 
 class PackedPolicy(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, backend: str, temperature: float, logprob_chunk: int = 4096,
-                 aux_coef: float = 0.0):
+                 aux_coef: float = 0.0, keep_logits_bytes: int = 0, fused_head: bool = False):
         super().__init__()
+        self.keep_logits_bytes, self.fused_head = keep_logits_bytes, fused_head  # speed only (grpo/logprobs.py)
         self.aux_coef = aux_coef
         self.model = model
         self.backend = backend
@@ -40,7 +41,8 @@ class PackedPolicy(torch.nn.Module):
         trained_hidden = out.last_hidden_state[0][row.token_index]  # [M, H]
         logp, top_logp, entropy = policy_token_logprobs(
             trained_hidden, lm_head_weight(self.model), row.targets, self.temperature,
-            top_ids=row.sampler_top_ids, sampling_mask=row.sampling_mask, chunk_size=self.logprob_chunk)
+            top_ids=row.sampler_top_ids, sampling_mask=row.sampling_mask, chunk_size=self.logprob_chunk,
+            keep_logits_bytes=self.keep_logits_bytes, fused=self.fused_head)
         aux = self.load_balancing_loss(out.router_logits) if self.aux_coef else None
         return PolicyOutput(logp, top_logp, entropy, aux)
 

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import random
 import sys
@@ -136,8 +137,8 @@ def plain_packing():
         trie.pack_samples, batcher._Row.shared_nodes = pack, shared
 
 
-def head_ms(model, m: int, reps: int = 5) -> float:
-    """The chunked log-prob head alone (fwd + bwd) on M trained positions, at the model's compute dtype."""
+def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -> float:
+    """The chunked log-prob head alone (fwd + bwd) on M trained positions, bf16, with the policy's head options."""
     import torch
 
     from grpo.logprobs import policy_token_logprobs
@@ -153,7 +154,7 @@ def head_ms(model, m: int, reps: int = 5) -> float:
     for i in range(reps + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        logp, _, _ = policy_token_logprobs(h, w, targets, 1.0)
+        logp, _, _ = policy_token_logprobs(h, w, targets, 1.0, keep_logits_bytes=keep_logits_bytes, fused=fused)
         logp.sum().backward()
         torch.cuda.synchronize()
         if i:
@@ -169,7 +170,7 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
     from grpo.distributed import broadcast_object
     from grpo.flops import device_peak_flops, mfu, training_flops
     from grpo.losses import loss_function
-    from train import build_policy, optimizer_step, train_micro_batch
+    from train import build_policy, optimizer_step, policy_module, resolve_metrics, train_micro_batch
 
     config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=args.token_budget),
                                  **overrides)
@@ -184,18 +185,25 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
         batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
         vocab = model.config.get_text_config().vocab_size
         top_k = config.num_sampler_logprobs  # what the loss declared it needs
-        source = synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k)
+        # generated before timing: train.py gets its samples ready-made from the rollout worker
+        profiler = _profiler(args.profile and not _PROFILED)
+        per_step = 3 * args.token_budget // 1068 + 16
+        source = iter(list(itertools.islice(synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k),
+                                            per_step * (args.warmup + args.steps + 3))))
 
         totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0)
-        for step in range(args.warmup + args.steps):
+        for step in range(args.warmup + args.steps + (2 if profiler is not None else 0)):
+            if step == args.warmup + args.steps:  # two extra steps under the profiler, after the timed ones
+                profiler.__enter__()
             t0 = time.perf_counter()
             plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
             m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
                                   autocast, config.max_completion_length)
             _, opt_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
+            m = resolve_metrics([m])[0]
             if cuda:
                 torch.cuda.synchronize()
-            if step < args.warmup:
+            if step < args.warmup or step >= args.warmup + args.steps:
                 continue
             totals["wall"] += time.perf_counter() - t0
             totals["trained"] += plan.trained_tokens
@@ -206,6 +214,12 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
             totals["fwd"] += m["perf/fwd_s"]
             totals["fwd_bwd"] += m["perf/fwd_bwd_s"]
             totals["opt"] += opt_s
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            _PROFILED.append(True)
+            print(f"PROFILE {args.shape} ratio {ratio} {mode} {overrides or 'defaults'} (2 steps)")
+            print(profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                                row_limit=30, max_name_column_width=70))
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     n = args.steps
     flops = training_flops(model.config, totals["forwarded"], totals["attended"], totals["head"])
@@ -220,7 +234,8 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
         "checkpointed_layers": sum(bool(getattr(l, "gradient_checkpointing", False))
                                    for l in _layers(model)),
         "fwd_ms": 1e3 * totals["fwd"] / n, "bwd_ms": 1e3 * (totals["fwd_bwd"] - totals["fwd"]) / n,
-        "head_ms": head_ms(model, totals["head"] // n), "opt_ms": 1e3 * totals["opt"] / n,
+        "head_ms": head_ms(model, totals["head"] // n, policy_module(policy).keep_logits_bytes,
+                           policy_module(policy).fused_head), "opt_ms": 1e3 * totals["opt"] / n,
         "host_ms": 1e3 * (totals["wall"] - totals["fwd_bwd"] - totals["opt"]) / n,
     }
     del model, policy, optimizer, scheduler
@@ -228,6 +243,21 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+_PROFILED: list = []
+
+
+def _profiler(enabled: bool):
+    """torch.profiler over the timed steps of the first case (--profile): a table of the top kernels."""
+    if not enabled:
+        return None
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
 
 
 def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int = 0) -> dict:
@@ -325,6 +355,7 @@ def main() -> None:
     p.add_argument("--check", action="store_true",
                    help="first compare the fast path's packed log-probs with per-sample forwards (bf16 on GPU)")
     p.add_argument("--skip-defaults", action="store_true", help="run only the --set variants")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of the first case's timed steps")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     info = init_distributed()

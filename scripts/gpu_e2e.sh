@@ -31,21 +31,28 @@ else  # a machine with `pip install -r requirements.txt && pip install -e .` don
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-}
-if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights, Qwen3-0.6B shape, Qwen-style tokenizer
-  python3 .gpuvllm/make_models.py /tmp/models qwen3-0.6b --device cuda > "$OUT/make_models.log" 2>&1 \
+KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny (SERVE_FLAGS="--language-model-only --enforce-eager")
+if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at a public shape, Qwen-style tokenizer
+  python3 .gpuvllm/make_models.py /tmp/models "$KIND" --device cuda > "$OUT/make_models.log" 2>&1 \
     || { tail "$OUT/make_models.log"; exit 1; }
-  MODEL=/tmp/models/qwen3-0.6b
+  MODEL=/tmp/models/$KIND
 fi
 [ -n "$MODEL" ] || { echo "set MODEL=<local model dir or hub id> (e.g. MODEL=Qwen/Qwen3-0.6B)"; exit 2; }
 GPUVLLM_LOG_DIR=$OUT vllm_serve "$MODEL" "$PORT" --logprobs-mode processed_logprobs \
   --weight-transfer-config '{"backend": "cpu_file"}' --max-logprobs 20 ${SERVE_FLAGS:-}
+T_SERVE=$SECONDS
 vllm_wait "$PORT" "${SERVER_WAIT_S:-300}" || exit 1
+echo "server healthy after $((SECONDS - T_SERVE)) s"
+if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
+  python3 scripts/gpu_e2e_check.py --server "http://127.0.0.1:$PORT" --initial "$MODEL" --tree 2>&1 \
+    | grep -v "Loading\|Writing" | tee "$OUT/check_tree.log" | tail -4
+fi
 [ -f .gpuvllm/bench.py ] && { python3 .gpuvllm/bench.py "$PORT" --out "$OUT/server_bench.json" > "$OUT/server_bench.log" 2>&1; tail -3 "$OUT/server_bench.log"; }
 run() {  # run NAME MAX_STALENESS
   local t0=$SECONDS
   timeout "${RUN_TIMEOUT_S:-200}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
     --vllm-server-base-url "http://127.0.0.1:$PORT" --weight-transfer cpu_file --num-generations 8 \
-    --max-completion-length 128 --learning-rate 5e-5 --max-steps "$STEPS" --save-steps "$STEPS" \
+    --max-completion-length "${MAXLEN:-128}" --learning-rate 5e-5 --max-steps "$STEPS" --save-steps "$STEPS" \
     --max-staleness "$2" --output-dir "$OUT/$1" ${TRAIN_FLAGS:-} > "$OUT/$1.log" 2>&1
   local rc=$?
   echo "{\"wall_s\": $((SECONDS - t0)), \"rc\": $rc}" > "$OUT/$1/wall.json"
@@ -56,7 +63,7 @@ check() {  # check NAME MAX_STALENESS [--compare RUN]: right after the run, whil
     --max-staleness "$2" --steps "$STEPS" "${@:3}" | tee "$OUT/check_$1.log"
 }
 run e2e_async 4 && check e2e_async 4
-run e2e_sync 0 && check e2e_sync 0 --compare-with "$OUT/e2e_async"
+[ -n "${ASYNC_ONLY:-}" ] || { run e2e_sync 0 && check e2e_sync 0 --compare-with "$OUT/e2e_async"; }
 vllm_stop "$PORT"
 if [ -n "${THEN_BENCH:-}" ]; then  # the trainer step alone, once the server has released the GPU
   timeout 120 python3 scripts/bench_step.py $THEN_BENCH 2>&1 | grep -v "^RESULT\|Loading" | tee "$OUT/bench.log" | tail -8

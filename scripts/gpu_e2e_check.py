@@ -46,6 +46,40 @@ def model_logprobs(path, ids: list[int], dtype=torch.float32) -> torch.Tensor:
     return out
 
 
+def tree_check(url: str, model_dir: Path, seed: int = 0) -> tuple[bool, str]:
+    """The server's processed log-probs of 4 sequences sharing a 48-token prompt against the trainer's own
+    tree-packed forward of the same weights (train.build_policy: FSDP2 bf16, compiled layers, the GDN tree path),
+    with the bf16-vs-fp32 gap of an eager per-sample forward as the tolerance floor."""
+    import dataclasses
+    import random
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import init_distributed
+    from grpo.samples import TrainingSample
+    from grpo.trie import pack_samples
+    from train import build_policy
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000, 100_000) for _ in range(48)]
+    seqs = [prompt + [rng.randrange(1000, 100_000) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
+    info = init_distributed()
+    config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=1024))
+    _, policy, *_ = build_policy(config, info, 1024)
+    samples = [TrainingSample(ids, [0] + [1] * (len(ids) - 1), [-1.0] * len(ids), 1.0, 0, 0) for ids in seqs]
+    row = pack_samples(samples).to(info.device)
+    with torch.no_grad():
+        packed = policy(row).policy_logprobs.float()[torch.argsort(row.sample_id, stable=True)].cpu()
+    del policy
+    torch.cuda.empty_cache()
+    served = torch.cat([server_logprobs(url, str(model_dir), ids) for ids in seqs])
+    fp32 = torch.cat([model_logprobs(model_dir, ids) for ids in seqs])
+    bf16 = torch.cat([model_logprobs(model_dir, ids, torch.bfloat16) for ids in seqs])
+    d, d_fp32, floor = (served - packed).abs(), (served - fp32).abs(), (bf16 - fp32).abs().mean()
+    ok = bool(d.mean() <= 2 * floor + 0.01 and torch.isfinite(packed).all())
+    return ok, (f"{d.numel()} tokens: |server - trainer packed| mean {d.mean():.4f} max {d.max():.4f}; "
+                f"|server - fp32 per-sample| mean {d_fp32.mean():.4f}; bf16 floor {floor:.4f}")
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -64,9 +98,13 @@ def summary(run: Path) -> dict:
     wall = json.loads((run / "wall.json").read_text())["wall_s"] if (run / "wall.json").exists() else float("nan")
     step_s = total(rows, "perf/step_s")
     wait = total(rows, "perf/rollout_wait_s")
+    blocked = total(rows, "rollout/backpressure_s")
+    trainer_busy = 1 - wait / step_s if step_s else float("nan")
+    generator_busy = 1 - blocked / step_s if step_s else float("nan")
     return {"run": run.name, "steps": len(rows), "wall_s": wall, "train_loop_s": step_s, "rollout_wait_s": wait,
-            "trainer_busy_frac": 1 - wait / step_s if step_s else float("nan"),
-            "backpressure_s": total(rows, "rollout/backpressure_s"),
+            "trainer_busy_frac": trainer_busy, "backpressure_s": blocked, "generator_busy_frac": generator_busy,
+            # both sides busy at once, at least (inclusion-exclusion over the train loop)
+            "overlap_frac_lb": max(0.0, trainer_busy + generator_busy - 1),
             "gen_tok_s": mean(rows, "rollout/generated_tokens_per_s"),
             "trained_tok_s": mean(rows, "perf/wall_clock_trained_tokens_per_s"),
             "weight_sync_s": mean(rows, "perf/weight_sync_s"),
@@ -78,11 +116,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--server", required=True)
     p.add_argument("--initial", required=True, type=Path)
-    p.add_argument("--run", required=True, type=Path)
+    p.add_argument("--run", type=Path, default=None)
+    p.add_argument("--tree", action="store_true", help="only the server-vs-trainer tree-packed log-prob check "
+                   "(run it before training, while the server holds the initial weights)")
     p.add_argument("--compare-with", type=Path, default=None, help="the async run this (synchronous) run is "
                    "compared with")
     p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--steps", type=int, default=None, help="the run's --max-steps (required without --tree)")
     args = p.parse_args()
     results: list[tuple[str, bool, str]] = []
 
@@ -90,6 +130,12 @@ def main() -> int:
         results.append((name, bool(ok), detail))
         print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
 
+    if args.tree:
+        ok, detail = tree_check(args.server, args.initial)
+        print(f"{'PASS' if ok else 'FAIL'} server == trainer's tree-packed forward (bf16 tolerance): {detail}")
+        return 0 if ok else 1
+    if args.run is None or args.steps is None:
+        p.error("--run and --steps are required (or --tree)")
     rows = metrics(args.run)
     s = summary(args.run)
     check("rollouts flow", len(rows) == args.steps and s["gen_tok_s"] > 0,

@@ -162,3 +162,40 @@ def test_rejects_bad_inputs():
         policy_token_logprobs(hidden, weight, targets[:-1], 1.0)
     with pytest.raises(ValueError, match="top_ids"):
         policy_token_logprobs(hidden, weight, targets, 1.0, top_ids[:-1])
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+@pytest.mark.parametrize("keep_logits_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("fused", [False, True])
+def test_speed_options_give_the_same_values_and_gradients(use_mask, keep_logits_bytes, fused, monkeypatch):
+    """Kept forward logits and the fused full-vocabulary passes change no value and no gradient (fused runs its
+    pure-function form eagerly here; the compiled form is the same function under torch.compile)."""
+    import grpo.logprobs as lp
+
+    monkeypatch.setattr(lp, "_COMPILED", {"forward": lp.fused_forward_reference, "grad": lp.fused_grad_reference})
+    hidden, weight, targets, top_ids, mask = _case()
+    mask = mask if use_mask else None
+    results = []
+    for options in ({}, {"keep_logits_bytes": keep_logits_bytes, "fused": fused}):
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        out = policy_token_logprobs(h, w, targets, 0.7, top_ids, mask, chunk_size=8, **options)
+        _finite_weighted_sum([out[0], out[1]]).backward()
+        results.append((*out, h.grad, w.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_passes_compile_and_match_eager():
+    """torch.compile of the fused passes (inductor; the C++ backend on CPU) against their eager form."""
+    import grpo.logprobs as lp
+
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randn(37, 301, generator=gen)
+    index = torch.randint(-1, 301, (37, 4), generator=gen)
+    grad = torch.randn(37, 4, generator=gen).masked_fill(index < 0, 0.0)
+    want = lp.fused_forward_reference(raw, index, 1 / 0.7)
+    got = lp._fused_forward()(raw, index, 1 / 0.7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp._fused_grad()(raw, index, want[2], grad, 1 / 0.7),
+                               lp.fused_grad_reference(raw, index, want[2], grad, 1 / 0.7), rtol=1e-5, atol=1e-5)

@@ -54,7 +54,7 @@ def run_trace(name: str, model_dir: Path) -> dict[str, list[float]]:
     from grpo.losses import get_loss
     from grpo.model import load_policy, trainable_parameters
     from grpo.policy import PackedPolicy
-    from train import StepPlan, build_optimizer, train_micro_batch
+    from train import StepPlan, build_optimizer, resolve_metrics, train_micro_batch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # fixed reduction order
@@ -74,8 +74,8 @@ def run_trace(name: str, model_dir: Path) -> dict[str, list[float]]:
                     rows = rows or batcher.add(sample)
                 group += 1
             plan = StepPlan(rows, sum(s.num_trained for row in rows for s in row))
-            metrics = train_micro_batch(policy, rows[0], plan, fn, options, 1, 1, contextlib.nullcontext,
-                                        max_completion_length=8)
+            metrics = resolve_metrics([train_micro_batch(policy, rows[0], plan, fn, options, 1, 1,
+                                                         contextlib.nullcontext, max_completion_length=8)])[0]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -48,7 +48,7 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
     from grpo.losses import get_loss
     from grpo.model import load_policy
     from grpo.policy import PackedPolicy
-    from train import StepPlan, train_micro_batch
+    from train import StepPlan, resolve_metrics, train_micro_batch
 
     if world > 1:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
@@ -57,8 +57,8 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
     patch_gdn_layers(model)
     policy = shard_model(PackedPolicy(model, "sdpa", temperature=1.0), info, mixed_precision=False)
     plan = StepPlan(rows, trained)
-    metrics = train_micro_batch(policy, rows[info.rank], plan, *get_loss("clipped_surrogate"),
-                                world, 1, contextlib.nullcontext)
+    metrics = resolve_metrics([train_micro_batch(policy, rows[info.rank], plan, *get_loss("clipped_surrogate"),
+                                                 world, 1, contextlib.nullcontext)])[0]
     grads = {}
     for name, p in policy.named_parameters():
         if not p.requires_grad:
@@ -231,7 +231,7 @@ def test_moe_load_balancing_loss_is_added(tiny_models):
     from grpo.losses import get_loss
     from grpo.model import aux_loss_coef, load_policy
     from grpo.policy import PackedPolicy
-    from train import StepPlan, train_micro_batch
+    from train import StepPlan, resolve_metrics, train_micro_batch
 
     model = load_policy(str(tiny_models["qwen3_moe"]), gradient_checkpointing=False)
     coef = aux_loss_coef(model, None)
@@ -240,8 +240,9 @@ def test_moe_load_balancing_loss_is_added(tiny_models):
     for s in samples:
         s.advantage = 0.0
     policy = PackedPolicy(model, "sdpa", 1.0, aux_coef=coef)
-    metrics = train_micro_batch(policy, samples, StepPlan([samples], sum(s.num_trained for s in samples)),
-                                *get_loss("clipped_surrogate"), 1, 1, contextlib.nullcontext)
+    plan = StepPlan([samples], sum(s.num_trained for s in samples))
+    metrics = resolve_metrics([train_micro_batch(policy, samples, plan, *get_loss("clipped_surrogate"), 1, 1,
+                                                 contextlib.nullcontext)])[0]
     assert 1.0 < metrics["aux_loss"] < 4.0  # ~top_k for a near-uniform router
     gate_grads = [p.grad for n, p in model.named_parameters() if "mlp.gate." in n]
     lm_head = model.get_output_embeddings().weight.grad
