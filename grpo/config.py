@@ -165,7 +165,7 @@ class AsyncGRPOConfig:
     score_queue_maxsize: int = 16
     """Completed groups waiting to be scored before generation blocks."""
 
-    # ---- trainer sharding (README "Several nodes") ----------------------------------------------------------------
+    # ---- trainer sharding (README "Several trainer nodes") -------------------------------------------------------
     hsdp_replicas: str = "1"
     """`1`: plain FSDP2, every parameter sharded over all ranks. `auto`: HSDP with one replica per node (sharded
     inside a node, replicated across nodes: only the gradient all-reduce crosses nodes). N: N replica groups of

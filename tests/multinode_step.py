@@ -5,8 +5,8 @@ rank of a torchrun launch (`torchrun --nnodes 2 ... tests/multinode_step.py MODE
 Per sharding (`--hsdp-replicas 1` = FSDP, `auto` = HSDP with one replica per node): step 1 on batch A, a checkpoint,
 step 2 on batch B. Rank 0 writes `<OUT_DIR>/<name>.pt` with the full gradients and parameters after each step, the
 tensors the weight sync would send (gathered through grpo/weight_sync.py's plan), Adam's moments after step 1 and
-the mesh shape. `run(..., resume=CKPT)` loads CKPT and runs step 2 only: a 1-node resume of a 2-node checkpoint, and (`--resume`)
-a 2-node resume of a 1-node one.
+the mesh shape. `run(..., resume=CKPT)` loads CKPT and runs step 2 only: a 1-node resume of a 2-node checkpoint,
+and (`--resume`) a 2-node resume of a 1-node one.
 """
 
 from __future__ import annotations
