@@ -13,27 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass, field
 
 from grpo.config import DEFAULT_DATASET, AsyncGRPOConfig
+from grpo.step_metrics import StepTimer, log_window, resolve_metrics, step_summary  # noqa: F401 (re-exported)
+from grpo.step_plan import StepPlan  # the micro-batch plan train_micro_batch consumes (also imported from here)
 
 log = logging.getLogger("train")
-
-
-@dataclass
-class StepPlan:
-    """What rank 0 decided for one micro-batch, broadcast to every rank."""
-
-    rows: list  # one list[TrainingSample] per rank
-    trained_tokens: int  # loss terms over all rows (the `token` normaliser)
-    stats: dict = field(default_factory=dict)  # batch/* metrics of this micro-batch
-
-    @property
-    def trained_sequences(self) -> int:
-        """Samples with at least one loss term over all rows (the `sequence` / `constant` normalisers)."""
-        return sum(1 for row in self.rows for s in row if s.num_trained > 0)
 
 
 # ------------------------------------------------------------------------------------------ building the pieces
@@ -164,7 +150,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
 
     import torch
 
-    from grpo.distributed import shard_model
+    from grpo.distributed import hsdp_replicas, shard_model
     from grpo.gdn import patch_gdn_layers
     from grpo.lora import packed_forward_module, peft_config_from_run, wrap_policy
     from grpo.memory import checkpointing_fraction, probe_samples
@@ -189,7 +175,8 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
     policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
                           config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef),
                           keep_logits_bytes=(4 << 30) if cuda else 0, fused_head=compile_layers)
-    policy = shard_model(policy, info, mixed_precision=mixed_precision)
+    policy = shard_model(policy, info, mixed_precision=mixed_precision,
+                         replicas=hsdp_replicas(config.hsdp_replicas, info))
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))
                 if bf16 and not mixed_precision and config.dtype != "bfloat16" else contextlib.nullcontext)
 
@@ -214,7 +201,7 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None) ->
     from grpo.model import trainable_parameters
 
     params = trainable_parameters(policy)
-    timer = _StepTimer(params[0].device)
+    timer = StepTimer(params[0].device)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or 1e30)
     optimizer.step()
     scheduler.step()
@@ -224,35 +211,6 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None) ->
 
 
 # ------------------------------------------------------------------------------------------ one micro-batch
-
-def plan_micro_batch(worker, batcher, stop_groups: int | None) -> StepPlan | None:
-    """Rank 0: pull samples into the batcher until it closes a micro-batch. None when the epochs are consumed."""
-    while True:
-        if stop_groups is not None and worker.delivered.low_water >= stop_groups:  # every group of the epochs
-            rows = batcher.flush()
-            if rows is None:
-                return None
-            rows, _ = worker.recheck_staleness(rows)
-            if any(s.group_id >= 0 for row in rows for s in row):
-                break
-            continue
-        sample = worker.get(timeout=1.0)
-        if sample is None or (stop_groups is not None and sample.group_id >= stop_groups):
-            continue  # groups past the last epoch are generated while the run winds down, never trained
-        oversize = batcher.dropped_oversize_count
-        rows = batcher.add(sample)
-        if batcher.dropped_oversize_count > oversize:  # longer than token_budget: logged by the batcher, booked here
-            worker.ledger.dropped(sample.group_id, "oversize")
-        if rows is not None:
-            # the batch-closing sample starts the next batch and may wait there across a weight sync
-            rows, _ = worker.recheck_staleness(rows)
-            if any(s.group_id >= 0 for row in rows for s in row):
-                break
-    stats = batcher.last_stats.as_metrics()
-    stats["batch/dropped_oversize_count"] = batcher.dropped_oversize_count
-    batcher.dropped_oversize_count = 0
-    return StepPlan(rows, sum(s.num_trained for row in rows for s in row), stats)
-
 
 def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
                       autocast, max_completion_length: int = 1) -> dict:
@@ -266,7 +224,7 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, wo
 
     device = next(policy.parameters()).device
     row = pack_samples(samples).to(device)
-    timer = _StepTimer(device)
+    timer = StepTimer(device)
     with autocast():
         out = policy(row)
     timer.mark()
@@ -284,51 +242,6 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, wo
     timer.mark()
     return metrics | {"loss": loss.detach() * grad_accum, "_timer": timer, "_forwarded": row.num_tokens,
                       "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}
-
-
-def resolve_metrics(micro: list[dict]) -> list[dict]:
-    """train_micro_batch's metrics as plain floats, with perf/fwd_s and perf/fwd_bwd_s: one device sync."""
-    import torch
-
-    keys = [(i, k) for i, m in enumerate(micro) for k, v in m.items() if isinstance(v, torch.Tensor)]
-    values = torch.stack([micro[i][k].float().reshape(()) for i, k in keys]).tolist() if keys else []
-    out = [{k: v for k, v in m.items() if k != "_timer"} for m in micro]
-    for (i, k), value in zip(keys, values):
-        out[i][k] = value
-    for m, resolved in zip(micro, out):
-        if (timer := m.get("_timer")) is not None:
-            resolved["perf/fwd_s"], resolved["perf/fwd_bwd_s"] = timer.seconds()
-    return out
-
-
-class _StepTimer:
-    """Forward and forward+backward time of one micro-batch: CUDA events on a GPU (no host sync), wall clock on
-    CPU (where every op is synchronous anyway)."""
-
-    def __init__(self, device):
-        import torch
-
-        self.cuda = device.type == "cuda"
-        self.marks = [torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()]
-        if self.cuda:
-            self.marks[0].record()
-
-    def mark(self) -> None:
-        import torch
-
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        """Seconds from the start to each mark (waits for the last one)."""
-        start, *marks = self.marks
-        if self.cuda:
-            marks[-1].synchronize()
-            return [start.elapsed_time(m) / 1e3 for m in marks]
-        return [m - start for m in marks]
 
 
 # ==================================== LOSS REGION: what a loss sees and how its terms are normalised ===============
@@ -371,14 +284,16 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
 
     from grpo import checkpoint as ckpt
     from grpo.batcher import TokenBudgetBatcher
-    from grpo.distributed import barrier, broadcast_object, init_distributed
+    from grpo.distributed import barrier, broadcast_object, hsdp_replicas, init_distributed
     from grpo.flops import device_peak_flops
+    from grpo.ledger import no_step_message, record_prompts
     from grpo.lora import adapter_versions_for, choose_sync_mode
     from grpo.losses import loss_function
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
     from grpo.queue import RolloutWorker, staleness_allowance
     from grpo.repro import write_repro_bundle
+    from grpo.step_plan import plan_step
     from grpo.weight_sync import WeightSync, WeightSyncConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -390,6 +305,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
     info = init_distributed(config.vllm_server_timeout)
+    hsdp_replicas(config.hsdp_replicas, info)  # a bad value fails here, before the server is contacted
+    ckpt.check_shared_output_dir(config.output_dir)  # rank 0 writes what every rank reads back on resume
     torch.manual_seed(config.seed)
     facts = broadcast_object(server_facts(config) if info.is_main else None, info)
     budget = config.token_budget or facts["max_model_len"]
@@ -397,13 +314,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget, peft_config)
 
-    resume_path = ckpt.resolve_checkpoint(config.resume_from_checkpoint, config.output_dir)
-    state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
-             "run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"}
-    if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, model, optimizer, scheduler) | {"run_id": state["run_id"]}
-        if info.is_main:
-            log.info("resumed from %s at step %d, prompt %d", resume_path, state["step"], state["prompt_index"])
+    state = ckpt.start_state(config.resume_from_checkpoint, config.output_dir, model, optimizer, scheduler,
+                             log_on_this_rank=info.is_main)
 
     mode = config.weight_transfer if config.weight_transfer != "auto" else (
         "nccl" if info.device.type == "cuda" else "cpu_file")
@@ -489,103 +401,6 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     barrier(info)
     sync.close()
     return {"step": step, "model_version": version, "output_dir": config.output_dir}
-
-
-def plan_step(worker, batcher, stop_groups, grad_accum: int, info) -> list[StepPlan]:
-    """Up to `grad_accum` micro-batch plans, decided on rank 0 and broadcast; fewer (or none) at the end of data."""
-    from grpo.distributed import broadcast_object
-
-    plans = []
-    for _ in range(grad_accum):
-        plan = broadcast_object(plan_micro_batch(worker, batcher, stop_groups) if info.is_main else None, info)
-        if plan is None:
-            break
-        plans.append(plan)
-    return plans
-
-
-def no_step_message(worker) -> str:
-    drops = dict(worker.ledger.drop_counts) if worker is not None else "see rank 0"
-    return (f"the run ended without a single optimizer step: every group was dropped ({drops}; equal_rewards = all "
-            f"rollouts of a prompt scored the same, unscored = every reward None/NaN). Check the reward functions "
-            f"with `python rollout.py sample`, or raise num_generations / num_train_epochs")
-
-
-def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics, model_config, peak) -> dict:
-    """Per-step metrics with the spec's names (batch/*, sample/*, perf/*), summed over ranks where they are counts;
-    loss and sampling metrics over every rank's micro-batches (mean, or the extreme for max/min names)."""
-    import numpy as np
-
-    from grpo.distributed import all_reduce_sum
-    from grpo.flops import mfu, training_flops
-    from grpo.metrics import MetricsWindow
-
-    forwarded = all_reduce_sum(sum(m["_forwarded"] for m in micro), info)
-    flops = training_flops(model_config, forwarded, all_reduce_sum(sum(m["_attended_keys"] for m in micro), info),
-                           all_reduce_sum(sum(m["_head_tokens"] for m in micro), info))
-    trained = sum(p.trained_tokens for p in plans)
-    fwd_bwd_s = sum(m["perf/fwd_bwd_s"] for m in micro)
-    out = {"batch/forwarded_tokens_per_step": forwarded, "batch/trained_tokens_per_step": trained,
-           "batch/samples_per_step": len(samples), "batch/groups_per_step": len({s.group_id for s in samples}),
-           "batch/microbatches_per_step": len(plans), "batch/masked_token_frac": 1 - trained / max(forwarded, 1),
-           "batch/pad_frac": 0.0,
-           "sample/forwarded_tokens_mean": float(np.mean([len(s) for s in samples])) if samples else math.nan,
-           "sample/forwarded_tokens_max": max((len(s) for s in samples), default=math.nan),
-           "sample/trained_tokens_mean": float(np.mean([s.num_trained for s in samples])) if samples else math.nan,
-           "reward_kept": float(np.nanmean([s.reward for s in samples])) if samples else math.nan,
-           "perf/step_s": step_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/fwd_s": sum(m["perf/fwd_s"] for m in micro),
-           "perf/optimizer_s": optimizer_s,
-           "perf/fwd_bwd_forwarded_tokens_per_s": forwarded / max(fwd_bwd_s, 1e-9),
-           "perf/wall_clock_forwarded_tokens_per_s": forwarded / step_s,
-           "perf/wall_clock_trained_tokens_per_s": trained / step_s} | sync_metrics
-    for name, value in (("perf/fwd_bwd_mfu", fwd_bwd_s), ("perf/wall_clock_mfu", step_s)):
-        m = mfu(flops, value, peak, info.world_size)
-        if m is not None:
-            out[name] = m
-    for p in plans:
-        out |= {k: v for k, v in p.stats.items() if not k.endswith("_count")}
-    out["batch/dropped_oversize_count"] = sum(p.stats.get("batch/dropped_oversize_count", 0) for p in plans)
-    losses = [{k: v for k, v in m.items() if not k.startswith("_") and not k.startswith("perf/")} for m in micro]
-    if info.world_size > 1:  # every rank's micro-batches, so loss/sampling metrics describe the whole step
-        import torch.distributed as dist
-
-        gathered = [None] * info.world_size
-        dist.all_gather_object(gathered, losses)
-        losses = [m for rank_losses in gathered for m in rank_losses]
-    window = MetricsWindow()  # the one reduction rule (by name), NaNs dropped
-    for m in losses:
-        window.extend(m.items())
-    return out | window.reduce()
-
-
-def record_prompts(output_dir: str, step: int, samples, resumed: dict, drops) -> None:
-    """Append which prompt positions (dataset_start_index + group_id) this step trained to trained_prompts.jsonl,
-    and the groups dropped since the last step, with the reason, to dropped_prompts.jsonl: the audit trail for
-    epochs and resume. `run` tells runs apart and `resumed_from` is the checkpoint step a run started from: records
-    of the earlier run after that step were rolled back with the model. Each position is trained in one run only,
-    or recorded as dropped. `samples=None` records drops only."""
-    import json
-    from pathlib import Path
-
-    run = {"step": step, "resumed_from": resumed["step"], "run": resumed["run_id"]}
-    if samples is not None:
-        positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
-        with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
-            f.write(json.dumps(run | {"prompts": positions}) + "\n")
-    if drops:
-        with open(Path(output_dir) / "dropped_prompts.jsonl", "a") as f:
-            f.write(json.dumps(run | {"prompts": [[p, reason] for p, reason in drops]}) + "\n")
-
-
-def log_window(logger, step: int, window: list[dict], worker) -> None:
-    from grpo.metrics import ALWAYS_LOGGED_COUNTERS, MetricsWindow
-
-    agg = MetricsWindow(always=ALWAYS_LOGGED_COUNTERS)
-    for metrics in window:
-        agg.extend(metrics.items())
-    if worker is not None:
-        agg.extend(worker.drain_metrics())
-    logger.log(step, agg.reduce())
 
 
 def config_class(argv: list[str]) -> tuple[type, list[str]]:

@@ -9,6 +9,10 @@ every consumed position, so each prompt is trained at most once per epoch across
 Everything is written into `checkpoint-<step>.tmp` and renamed at the end, so a kill during a save never leaves a
 directory that looks complete; leftovers of an interrupted save are removed by the next one.
 
+Several nodes: rank 0 writes the checkpoint and every rank reads it back on resume (and writes its own RNG file
+into it), so `output_dir` must be one filesystem shared by every node (NFS, Lustre, ...) at the same path;
+`check_shared_output_dir` verifies that at start and fails naming the ranks that cannot see rank 0's files.
+
 Security: optimizer, scheduler and RNG state are read with `torch.load(weights_only=True)`, which unpickles only
 tensors and plain containers, never code; the model comes from safetensors. A crafted `optimizer.pt` cannot run
 anything on resume: the load fails with `UnpicklingError`.
@@ -21,6 +25,9 @@ import os
 import random
 import re
 import shutil
+import socket
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +67,53 @@ def resolve_checkpoint(spec: str | None, output_dir: str | Path) -> Path | None:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no rollout_state.json); "
                                 f"pass a checkpoint-<step> directory or `latest`")
     return path
+
+
+def check_shared_output_dir(output_dir: str | Path, wait_s: float = 10.0) -> None:
+    """Collective. Rank 0 writes a token into output_dir; every rank must read it back (multi-node runs need a
+    shared output_dir: checkpoints are written by rank 0 and read by all on resume). No-op in one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    out, token = Path(output_dir), [uuid.uuid4().hex if _rank() == 0 else None]
+    dist.broadcast_object_list(token)
+    probe = out / f".shared_fs_check-{token[0]}"
+    if _rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token[0])
+    _barrier()
+    deadline = time.monotonic() + wait_s  # a network filesystem may show a new file a moment late
+    while not (seen := probe.exists() and probe.read_text() == token[0]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    _barrier()
+    if _rank() == 0:
+        probe.unlink()
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise RuntimeError(f"output_dir {str(out)!r} is not shared by every node: {', '.join(blind)} cannot read "
+                           f"the file rank 0 ({views[0][1]}) wrote there. Checkpoints are written by rank 0 and read "
+                           f"by every rank on resume: put --output-dir on a filesystem mounted at the same path on "
+                           f"every node (NFS, Lustre, ...)")
+
+
+def start_state(spec: str | None, output_dir: str | Path, model, optimizer, scheduler,
+                log_on_this_rank: bool = True) -> dict:
+    """The run's starting bookkeeping: fresh, or restored from the checkpoint `spec` names (`latest` / a path,
+    loading model, optimizer, scheduler and RNG). `run_id` is always new: it tells the runs of one output_dir
+    apart in trained_prompts.jsonl."""
+    import logging
+
+    state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
+             "run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"}
+    path = resolve_checkpoint(spec, output_dir)
+    if path is None:
+        return state
+    state = load_checkpoint(path, model, optimizer, scheduler) | {"run_id": state["run_id"]}
+    if log_on_this_rank:
+        logging.getLogger("train").info("resumed from %s at step %d, prompt %d", path, state["step"],
+                                        state["prompt_index"])
+    return state
 
 
 def _full_state_dicts(model, optimizer):

@@ -166,6 +166,12 @@ class AsyncGRPOConfig:
     score_queue_maxsize: int = 16
     """Completed groups waiting to be scored before generation blocks."""
 
+    # ---- trainer sharding (README "Several trainer nodes") -------------------------------------------------------
+    hsdp_replicas: str = "1"
+    """`1`: plain FSDP2, every parameter sharded over all ranks. `auto`: HSDP with one replica per node (sharded
+    inside a node, replicated across nodes: only the gradient all-reduce crosses nodes). N: N replica groups of
+    world/N consecutive ranks. Multi-node runs need output_dir on a filesystem every node shares."""
+
     # ---- failure handling (README "Failure policy") -------------------------------------------------------------
     progress_interval_s: float = 30.0
     """Seconds between progress lines while waiting on something external (server start, empty sample queue)."""

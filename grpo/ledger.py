@@ -87,3 +87,29 @@ class PromptLedger:
         return {"prompt_index": self.start_index + self.consumed.low_water,
                 "consumed_above": sorted(self.start_index + g for g in self.consumed.above),
                 "partial": self.partial_positions()}
+
+
+def record_prompts(output_dir: str, step: int, samples, resumed: dict, drops) -> None:
+    """Append which prompt positions (dataset_start_index + group_id) this step trained to trained_prompts.jsonl,
+    and the groups dropped since the last step, with the reason, to dropped_prompts.jsonl: the audit trail for
+    epochs and resume. `run` tells runs apart and `resumed_from` is the checkpoint step a run started from: records
+    of the earlier run after that step were rolled back with the model. Each position is trained in one run only,
+    or recorded as dropped. `samples=None` records drops only."""
+    import json
+    from pathlib import Path
+
+    run = {"step": step, "resumed_from": resumed["step"], "run": resumed["run_id"]}
+    if samples is not None:
+        positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
+        with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps(run | {"prompts": positions}) + "\n")
+    if drops:
+        with open(Path(output_dir) / "dropped_prompts.jsonl", "a") as f:
+            f.write(json.dumps(run | {"prompts": [[p, reason] for p, reason in drops]}) + "\n")
+
+
+def no_step_message(worker) -> str:
+    drops = dict(worker.ledger.drop_counts) if worker is not None else "see rank 0"
+    return (f"the run ended without a single optimizer step: every group was dropped ({drops}; equal_rewards = all "
+            f"rollouts of a prompt scored the same, unscored = every reward None/NaN). Check the reward functions "
+            f"with `python rollout.py sample`, or raise num_generations / num_train_epochs")

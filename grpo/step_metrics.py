@@ -1,0 +1,110 @@
+"""Per-step metrics of the trainer: micro-batch metrics resolved without stalling the GPU, the step summary with
+the spec's names (batch/*, sample/*, perf/*), and the logging window."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+def resolve_metrics(micro: list[dict]) -> list[dict]:
+    """train_micro_batch's metrics as plain floats, with perf/fwd_s and perf/fwd_bwd_s: one device sync."""
+    import torch
+
+    keys = [(i, k) for i, m in enumerate(micro) for k, v in m.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([micro[i][k].float().reshape(()) for i, k in keys]).tolist() if keys else []
+    out = [{k: v for k, v in m.items() if k != "_timer"} for m in micro]
+    for (i, k), value in zip(keys, values):
+        out[i][k] = value
+    for m, resolved in zip(micro, out):
+        if (timer := m.get("_timer")) is not None:
+            resolved["perf/fwd_s"], resolved["perf/fwd_bwd_s"] = timer.seconds()
+    return out
+
+
+class StepTimer:
+    """Forward and forward+backward time of one micro-batch: CUDA events on a GPU (no host sync), wall clock on
+    CPU (where every op is synchronous anyway)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.marks = [torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()]
+        if self.cuda:
+            self.marks[0].record()
+
+    def mark(self) -> None:
+        import torch
+
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds from the start to each mark (waits for the last one)."""
+        start, *marks = self.marks
+        if self.cuda:
+            marks[-1].synchronize()
+            return [start.elapsed_time(m) / 1e3 for m in marks]
+        return [m - start for m in marks]
+
+
+def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics, model_config, peak) -> dict:
+    """Per-step metrics with the spec's names (batch/*, sample/*, perf/*), summed over ranks where they are counts;
+    loss and sampling metrics over every rank's micro-batches (mean, or the extreme for max/min names)."""
+    import numpy as np
+
+    from grpo.distributed import all_reduce_sum
+    from grpo.flops import mfu, training_flops
+    from grpo.metrics import MetricsWindow
+
+    forwarded = all_reduce_sum(sum(m["_forwarded"] for m in micro), info)
+    flops = training_flops(model_config, forwarded, all_reduce_sum(sum(m["_attended_keys"] for m in micro), info),
+                           all_reduce_sum(sum(m["_head_tokens"] for m in micro), info))
+    trained = sum(p.trained_tokens for p in plans)
+    fwd_bwd_s = sum(m["perf/fwd_bwd_s"] for m in micro)
+    out = {"batch/forwarded_tokens_per_step": forwarded, "batch/trained_tokens_per_step": trained,
+           "batch/samples_per_step": len(samples), "batch/groups_per_step": len({s.group_id for s in samples}),
+           "batch/microbatches_per_step": len(plans), "batch/masked_token_frac": 1 - trained / max(forwarded, 1),
+           "batch/pad_frac": 0.0,
+           "sample/forwarded_tokens_mean": float(np.mean([len(s) for s in samples])) if samples else math.nan,
+           "sample/forwarded_tokens_max": max((len(s) for s in samples), default=math.nan),
+           "sample/trained_tokens_mean": float(np.mean([s.num_trained for s in samples])) if samples else math.nan,
+           "reward_kept": float(np.nanmean([s.reward for s in samples])) if samples else math.nan,
+           "perf/step_s": step_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/fwd_s": sum(m["perf/fwd_s"] for m in micro),
+           "perf/optimizer_s": optimizer_s,
+           "perf/fwd_bwd_forwarded_tokens_per_s": forwarded / max(fwd_bwd_s, 1e-9),
+           "perf/wall_clock_forwarded_tokens_per_s": forwarded / step_s,
+           "perf/wall_clock_trained_tokens_per_s": trained / step_s} | sync_metrics
+    for name, value in (("perf/fwd_bwd_mfu", fwd_bwd_s), ("perf/wall_clock_mfu", step_s)):
+        m = mfu(flops, value, peak, info.world_size)
+        if m is not None:
+            out[name] = m
+    for p in plans:
+        out |= {k: v for k, v in p.stats.items() if not k.endswith("_count")}
+    out["batch/dropped_oversize_count"] = sum(p.stats.get("batch/dropped_oversize_count", 0) for p in plans)
+    losses = [{k: v for k, v in m.items() if not k.startswith("_") and not k.startswith("perf/")} for m in micro]
+    if info.world_size > 1:  # every rank's micro-batches, so loss/sampling metrics describe the whole step
+        import torch.distributed as dist
+
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, losses)
+        losses = [m for rank_losses in gathered for m in rank_losses]
+    window = MetricsWindow()  # the one reduction rule (by name), NaNs dropped
+    for m in losses:
+        window.extend(m.items())
+    return out | window.reduce()
+
+
+def log_window(logger, step: int, window: list[dict], worker) -> None:
+    from grpo.metrics import ALWAYS_LOGGED_COUNTERS, MetricsWindow
+
+    agg = MetricsWindow(always=ALWAYS_LOGGED_COUNTERS)
+    for metrics in window:
+        agg.extend(metrics.items())
+    if worker is not None:
+        agg.extend(worker.drain_metrics())
+    logger.log(step, agg.reduce())
