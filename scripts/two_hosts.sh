@@ -4,8 +4,8 @@
 # parameters sharded inside a host, gradients all-reduced across hosts). Global rank 0 (host A) runs the rollout
 # worker against both servers and pushes every weight version to both.
 #
-#   host A:  HOST_A=10.0.0.1 HOST_B=10.0.0.2 OUTPUT_DIR=/shared/run1 bash scripts/two_hosts.sh a
-#   host B:  HOST_A=10.0.0.1 HOST_B=10.0.0.2 OUTPUT_DIR=/shared/run1 bash scripts/two_hosts.sh b
+#   host A:  HOST_A=10.0.0.1 HOST_B=10.0.0.2 OUTPUT_DIR=/nfs/run1 bash scripts/two_hosts.sh a
+#   host B:  HOST_A=10.0.0.1 HOST_B=10.0.0.2 OUTPUT_DIR=/nfs/run1 bash scripts/two_hosts.sh b
 #   DRY_RUN=1 HOST_A=... HOST_B=... bash scripts/two_hosts.sh a     # print this host's commands, run nothing
 #
 # Commands per host (what the script runs; DRY_RUN=1 prints them with the values filled in):

@@ -12,32 +12,16 @@ and (`--resume`) a 2-node resume of a 1-node one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-
-def fixed_batch(seed: int, groups: int = 4, group_size: int = 3, vocab: int = 1024) -> list:
-    from grpo.samples import TrainingSample
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(groups):
-        prompt = rng.integers(4, vocab, rng.integers(4, 10)).tolist()
-        for _ in range(group_size):
-            completion = rng.integers(4, vocab, rng.integers(2, 8)).tolist()
-            mask = [0] * len(prompt) + [1] * len(completion)
-            out.append(TrainingSample(input_ids=prompt + completion, completion_mask=mask,
-                                      sampler_logprobs=(rng.normal(-6.9, 0.3, len(mask)) * np.array(mask)).tolist(),
-                                      advantage=float(rng.normal()), group_id=g, model_version=0))
-    return out
+from test_train import random_samples as fixed_batch  # noqa: E402 - the same fixed batches as the FSDP2 test
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

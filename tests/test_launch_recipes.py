@@ -95,7 +95,7 @@ def test_slurm_template_builds_commands_the_clis_accept(tmp_path, infer_nodes):
 def test_two_host_recipe_builds_commands_the_clis_accept(tmp_path, role):
     if not several_urls_supported():
         pytest.skip("several --vllm-server-base-url values need the multi-server config (issue 14 part A)")
-    env = {"HOST_A": "10.0.0.1", "HOST_B": "10.0.0.2", "OUTPUT_DIR": "/shared/run1", "TRAIN_ARGS": "--max-steps 3"}
+    env = {"HOST_A": "10.0.0.1", "HOST_B": "10.0.0.2", "OUTPUT_DIR": "/nfs/run1", "TRAIN_ARGS": "--max-steps 3"}
     serve_line, train_line = dry_run(TWO_HOSTS, role, env=env, tmp_path=tmp_path)
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in serve_line and "CUDA_VISIBLE_DEVICES=4,5,6,7" in train_line
     server, vllm_argv = parse_serve(serve_line)
@@ -103,4 +103,4 @@ def test_two_host_recipe_builds_commands_the_clis_accept(tmp_path, role):
     torchrun, config, urls = parse_train(train_line)
     assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_endpoint) == ("2", "4", "10.0.0.1:29500")
     assert urls == ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
-    assert (config.hsdp_replicas, config.output_dir, config.max_steps) == ("auto", "/shared/run1", 3)
+    assert (config.hsdp_replicas, config.output_dir, config.max_steps) == ("auto", "/nfs/run1", 3)
