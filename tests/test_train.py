@@ -339,7 +339,7 @@ def test_step_metrics_follow_the_one_reduction_rule_and_skip_nan():
     assert out["clip_ratio/low_mean"] == 0.25 and out["ratio_max"] == 2.0 and out["masked_count"] == 3.0
 
 
-def test_missing_model_path_is_named_and_hub_ids_pass():
+def test_missing_model_path_is_named_and_hub_ids_pass(tiny_qwen3):
     from train import check_model_path
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -347,7 +347,7 @@ def test_missing_model_path_is_named_and_hub_ids_pass():
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_model_path("outputs/run/checkpoint-3")
     check_model_path("Qwen/Qwen3-0.6B")
-    check_model_path(str(REPO / ".tiny"))
+    check_model_path(str(tiny_qwen3))
 
 
 def test_config_cls_is_taken_out_of_argv():

@@ -115,12 +115,13 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                   text=True, cwd=REPO, env=os.environ | {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
 
 
-def test_missing_model_path_and_unknown_loss_are_named_before_the_server():
+def test_missing_model_path_and_unknown_loss_are_named_before_the_server(tiny_qwen3):
     """Nothing listens at the URL: both errors must come first (a missing path used to read "Repo id must be in
-    the form..." after contacting the server)."""
+    the form..." after contacting the server). The loss case needs a model that exists (the path is checked
+    first), hence the fixture: on a clean clone .tiny/ is only built by it."""
     proc = cli("--model", "/no/such/model", "--vllm-server-base-url", "http://127.0.0.1:9")
     assert proc.returncode != 0 and "/no/such/model" in proc.stderr and "does not exist" in proc.stderr
-    proc = cli("--model", str(REPO / ".tiny" / "qwen3"), "--vllm-server-base-url", "http://127.0.0.1:9",
+    proc = cli("--model", str(tiny_qwen3), "--vllm-server-base-url", "http://127.0.0.1:9",
                "loss:grpo_typo")
     err = " ".join(proc.stderr.split())  # tyro wraps its message in a box
     assert proc.returncode != 0 and "loss:grpo_typo" in err and "loss:dapo" in err  # the registered choices
@@ -147,14 +148,14 @@ def _call_main_from_child(model: str) -> None:
                train_dataset=[{"prompt": PROMPT}])
 
 
-def test_train_main_reentered_by_the_spawned_worker_is_named():
+def test_train_main_reentered_by_the_spawned_worker_is_named(tiny_qwen3):
     """A script without `if __name__ == "__main__":` re-runs train.main inside the spawned worker, which would
     load the model again and push a cold sync to the live server: named instead."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
-        result = pool.apply_async(_call_main_from_child, (str(REPO / ".tiny" / "qwen3"),))
+        result = pool.apply_async(_call_main_from_child, (str(tiny_qwen3),))
         named_error(120, result.get, "__main__", expected=RuntimeError, timeout=110)
 
 
