@@ -100,6 +100,8 @@ def test_server_matches_the_trainers_tree_packed_forward(qwen35_server, qwen35_m
     fp32, floor = bf16_floor(qwen35_model, seqs)
     torch.testing.assert_close(packed, fp32, atol=1e-4, rtol=0)
     gap = (served(qwen35_server.base_url, qwen35_model, seqs) - packed).abs()
+    print(f"\nQwen3.5 tree check, {gap.numel()} tokens: |server - trainer packed| mean {gap.mean():.4f} max "
+          f"{gap.max():.4f}; bf16 floor {floor:.4f}; |packed - fp32 per-sample| max {(packed - fp32).abs().max():.1e}")
     assert gap.mean() <= 2 * floor + 1e-3, (float(gap.mean()), floor)
 
 
@@ -119,5 +121,7 @@ def test_training_pushes_weights_the_server_then_serves(qwen35_server, qwen35_mo
     after = served(qwen35_server.base_url, qwen35_model, seqs)
     final, floor = bf16_floor(str(out / "checkpoint-3"), seqs)
     initial, _ = bf16_floor(qwen35_model, seqs)
+    print(f"\nQwen3.5 after 3 steps: |server - checkpoint| mean {(after - final).abs().mean():.4f}, "
+          f"|server - initial| mean {(after - initial).abs().mean():.4f}, bf16 floor {floor:.4f}")
     assert (after - final).abs().mean() <= 2 * floor + 1e-3, (float((after - final).abs().mean()), floor)
     assert (after - initial).abs().mean() > 10 * floor, "the server still scores like the initial weights"
