@@ -218,8 +218,9 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
             profiler.__exit__(None, None, None)
             _PROFILED.append(True)
             print(f"PROFILE {args.shape} ratio {ratio} {mode} {overrides or 'defaults'} (2 steps)")
-            print(profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                                row_limit=30, max_name_column_width=70))
+            sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+            print_copy_sites(profiler, sort)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     n = args.steps
     flops = training_flops(model.config, totals["forwarded"], totals["attended"], totals["head"])
@@ -257,7 +258,33 @@ def _profiler(enabled: bool):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities)
+    return torch.profiler.profile(activities=activities, with_stack=True)
+
+
+def print_copy_sites(profiler, sort: str, top: int = 12) -> None:
+    """Where the copies come from: aten::copy_ grouped by the first Python frames above it that are ours, FSDP2's
+    or the model's (casts, gathers, autocast, the tree layout's gathers, ...), the attribution a kernel table
+    cannot give. Walks each op's parent chain (the profiler records Python calls as parent events)."""
+    from collections import defaultdict
+
+    cuda = sort.startswith("self_cuda")
+    total, count = defaultdict(float), defaultdict(int)
+    for e in profiler.events():
+        if e.name != "aten::copy_":
+            continue
+        frames, parent = [], e.cpu_parent
+        while parent is not None and len(frames) < 3:
+            name = parent.name
+            if ".py(" in name and ("site-packages" not in name or "torch/distributed" in name
+                                   or "transformers/models" in name):
+                frames.append(name.split("/")[-1])
+            parent = parent.cpu_parent
+        key = " <- ".join(frames) or "(no Python frame)"
+        total[key] += e.self_device_time_total if cuda else e.self_cpu_time_total
+        count[key] += 1
+    print(f"COPY SITES (aten::copy_, top {top} by self {'GPU' if cuda else 'CPU'} time over the profiled steps)")
+    for key in sorted(total, key=total.get, reverse=True)[:top]:
+        print(f"  {total[key] / 1e3:8.2f} ms {count[key]:6d}x  {key}")
 
 
 def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int = 0) -> dict:
