@@ -460,17 +460,24 @@ def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server,
     metrics = queue.Queue()
     loop = make_loop(FastPoll, config, [{"prompt": prompt}] * 8, [length_reward], tokenizer, metrics_queue=metrics)
     asyncio.run(loop.run(max_groups=24))
-    caps, usage = [], []
+    caps, usage, running, inflight = [], [], [], []
     while not metrics.empty():
         for name, value in metrics.get():
             if name == "rollout/concurrency_cap":
                 caps.append(value)
             elif name == "rollout/vllm_kv_cache_usage_frac":
                 usage.append(round(value, 2))
+            elif name == "rollout/vllm_running_requests":
+                running.append(value)
+            elif name == "rollout/concurrency":
+                inflight.append(value)
+    # what the polls saw, for the failure message: the server's running-requests gauge next to our own in-flight
+    # count tells a stale /metrics (both gauges 0 while we had rollouts out) from short rollouts (all three 0)
+    seen = dict(caps=caps, kv_usage=usage, server_running=running, our_inflight=inflight)
     assert loop.cap.initial_limit == 4  # kv_cache_max_concurrency = 2048 KV tokens / max_model_len 512
     low = caps.index(min(caps))
-    assert min(caps) < 4 and max(usage) > 0.8, (caps, usage)
-    assert max(caps[low:]) > min(caps), (caps, usage)  # grew back once the cache had room
+    assert min(caps) < 4 and max(usage) > 0.8, seen
+    assert max(caps[low:]) > min(caps), seen  # grew back once the cache had room
 
 
 @pytest.mark.vllm
