@@ -9,6 +9,7 @@ import multiprocessing
 import queue
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -460,7 +461,7 @@ def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server,
     metrics = queue.Queue()
     loop = make_loop(FastPoll, config, [{"prompt": prompt}] * 8, [length_reward], tokenizer, metrics_queue=metrics)
     asyncio.run(loop.run(max_groups=24))
-    caps, usage, running, inflight = [], [], [], []
+    caps, usage, running, waiting, inflight, generated = [], [], [], [], [], []
     while not metrics.empty():
         for name, value in metrics.get():
             if name == "rollout/concurrency_cap":
@@ -471,11 +472,19 @@ def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server,
                 running.append(value)
             elif name == "rollout/concurrency":
                 inflight.append(value)
-    # what the polls saw, for the failure message: the server's running-requests gauge next to our own in-flight
-    # count tells a stale /metrics (both gauges 0 while we had rollouts out) from short rollouts (all three 0)
-    seen = dict(caps=caps, kv_usage=usage, server_running=running, our_inflight=inflight)
-    assert loop.cap.initial_limit == 4  # kv_cache_max_concurrency = 2048 KV tokens / max_model_len 512
+            elif name == "rollout/vllm_queued_requests":
+                waiting.append(value)
+            elif name == "rollout/generated_tokens_per_s":
+                generated.append(value)
+    # what the polls saw, for the failure message: the server's running / waiting gauges next to our own in-flight
+    # count. A passing run alone already shows stretches of 3-7 rollouts in flight here while the engine holds none
+    # (0 running, 0 waiting): on 2 cores the API server or this process, not the engine, is then the bottleneck.
+    seen = dict(caps=caps, kv_usage=usage, server_running=running, server_waiting=waiting, our_inflight=inflight,
+                generated_tokens=sum(n for n, _ in generated), seconds=round(sum(dt for _, dt in generated), 1))
     low = caps.index(min(caps))
+    if not (min(caps) < 4 and max(usage) > 0.8 and max(caps[low:]) > min(caps)):
+        warnings.warn(f"cap test: what the polls saw: {seen}")  # an xfail hides the assertion; warnings show
+    assert loop.cap.initial_limit == 4  # kv_cache_max_concurrency = 2048 KV tokens / max_model_len 512
     assert min(caps) < 4 and max(usage) > 0.8, seen
     assert max(caps[low:]) > min(caps), seen  # grew back once the cache had room
 
