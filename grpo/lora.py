@@ -20,6 +20,7 @@ A LoRA policy reaches the server in one of two ways, chosen once at start (`choo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -60,9 +61,12 @@ def wrap_policy(model: nn.Module, peft_config) -> nn.Module:
     is forced to 0 like every other dropout (grpo/model.py: RL trains the policy the sampler ran)."""
     from peft import get_peft_model
 
-    from grpo.model import disable_dropout
+    from grpo.model import disable_dropout, is_vlm_config
 
     targets = peft_config.target_modules
+    if targets == "all-linear" and is_vlm_config(model.config):
+        targets = text_linear_targets(model)
+        peft_config = dataclasses.replace(peft_config, target_modules=targets)
     named = [targets] if isinstance(targets, str) else list(targets or [])
     saved = list(getattr(peft_config, "modules_to_save", None) or [])
     if any(t == "lm_head" or t.endswith(".lm_head") for t in named + saved):
@@ -73,11 +77,26 @@ def wrap_policy(model: nn.Module, peft_config) -> nn.Module:
     if any(is_lora_name(n) and ".lm_head." in f".{n}" for n, _ in peft_model.named_parameters()):
         raise ValueError(f"target_modules={targets!r} matched lm_head, which is not supported; name the "
                          "decoder's linear layers or use `all-linear`")
+    outside = sorted({n.split(".lora_")[0] for n, _ in peft_model.named_parameters()
+                      if is_lora_name(n) and is_vlm_config(model.config) and "language_model" not in n})
+    if outside:
+        raise ValueError(f"target_modules={targets!r} put adapters outside the language model ({outside[:4]}...): "
+                         "this VLM checkpoint trains text-only and vLLM refuses such adapters; name text modules "
+                         "or use `all-linear` (which keeps to the language model here)")
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     log.info("PEFT %s: %d trainable parameters of %d (%.2f%%)", type(peft_config).__name__, trainable, total,
              100 * trainable / max(total, 1))
     return peft_model
+
+
+def text_linear_targets(model: nn.Module) -> str:
+    """`all-linear` for a VLM checkpoint, kept to the language model: a PEFT regex over the text decoder's linear
+    layers. PEFT's own `all-linear` also adapts the vision tower and projector, which the text-only trainer never
+    runs (their adapters would be dead weight in the optimizer) and vLLM's language-model-only server refuses."""
+    suffixes = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                       if isinstance(module, nn.Linear) and "language_model." in name})
+    return rf".*language_model\..*\.({'|'.join(suffixes)})"
 
 
 def packed_forward_module(model: nn.Module) -> nn.Module:

@@ -113,6 +113,26 @@ def test_wrap_policy_refuses_lm_head(tiny_qwen3):
         wrap_policy(load_model(tiny_qwen3), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
 
 
+def test_all_linear_on_a_vlm_keeps_to_the_language_model(tiny_models):
+    """PEFT's `all-linear` would also adapt the vision tower (dead weight for the text-only trainer, refused by
+    vLLM's language-model-only server): every text linear layer gets an adapter, nothing else does, and targets
+    that reach the vision tower are refused by name."""
+    from peft import LoraConfig
+
+    from grpo.lora import wrap_policy
+    from grpo.model import load_policy
+
+    path = str(tiny_models["qwen3_5"])
+    model = wrap_policy(load_policy(path), LoraConfig(r=4, target_modules="all-linear"))
+    adapted = {n.split(".lora_")[0].removeprefix("base_model.model.") for n, _ in model.named_parameters()
+               if "lora_" in n}
+    text_linears = {n for n, m in load_policy(path).named_modules()
+                    if isinstance(m, torch.nn.Linear) and "language_model." in n}
+    assert adapted == text_linears and any("linear_attn" in n for n in adapted)
+    with pytest.raises(ValueError, match="outside the language model"):
+        wrap_policy(load_policy(path), LoraConfig(r=4, target_modules=["qkv", "q_proj"]))  # `qkv`: vision attention
+
+
 def test_checkpoint_keeps_the_adapter(tiny_qwen3, tmp_path):
     """A PEFT checkpoint is PEFT's adapter format (no full weights), and resumes adapter + optimizer exactly."""
     from grpo import checkpoint as ckpt

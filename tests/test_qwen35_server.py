@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,11 +34,20 @@ def qwen35_server(qwen35_model, tmp_path_factory):
     server.stop()
 
 
-def per_sample_logprobs(path: str, seqs: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-    """transformers, one sequence at a time: log p(token | prefix) for every token after the first."""
+def load(path: str, adapter: Path | None = None):
     from grpo.model import load_policy
 
-    model = load_policy(path, "float32").to(dtype).eval()
+    model = load_policy(path, "float32")
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model
+
+
+def per_sample_logprobs(path: str, seqs: list[list[int]], dtype: torch.dtype, adapter: Path | None = None):
+    """transformers, one sequence at a time: log p(token | prefix) for every token after the first."""
+    model = load(path, adapter).to(dtype).eval()
     out = []
     with torch.no_grad():
         for ids in seqs:
@@ -50,10 +60,21 @@ def served(url: str, model: str, seqs: list[list[int]]) -> torch.Tensor:
     return torch.cat([server_logprobs(url, model, ids) for ids in seqs])
 
 
-def bf16_floor(path: str, seqs) -> tuple[torch.Tensor, float]:
+def bf16_floor(path: str, seqs, adapter: Path | None = None) -> tuple[torch.Tensor, float]:
     """fp32 reference log-probs, and the mean |bf16 - fp32| gap of the same forward (the server runs bf16)."""
-    fp32 = per_sample_logprobs(path, seqs, torch.float32)
-    return fp32, float((per_sample_logprobs(path, seqs, torch.bfloat16) - fp32).abs().mean())
+    fp32 = per_sample_logprobs(path, seqs, torch.float32, adapter)
+    return fp32, float((per_sample_logprobs(path, seqs, torch.bfloat16, adapter) - fp32).abs().mean())
+
+
+def train(server, model: str, out: Path, *extra: str, lr: str = "1e-3") -> None:
+    """train.py for 3 steps against `server` (cpu_file weight sync, or LoRA adapter sync with --lora-r)."""
+    proc = subprocess.run([PY, str(REPO / "train.py"), "--model", model, "--dataset", "builtin:letters",
+                           "--reward-funcs", "letters", "--vllm-server-base-url", server.base_url,
+                           "--num-generations", "4", "--max-completion-length", "8", "--learning-rate", lr,
+                           "--max-steps", "3", "--save-steps", "3", "--output-dir", str(out),
+                           "--rollout-worker-timeout", "120", *extra], capture_output=True, text=True, timeout=600,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
 def shared_prompt_seqs(seed: int = 0) -> list[list[int]]:
@@ -112,12 +133,7 @@ def test_training_pushes_weights_the_server_then_serves(qwen35_server, qwen35_mo
     (within the bf16 gap) and no longer like the initial weights."""
     seqs = shared_prompt_seqs(seed=1)
     out = tmp_path / "run"
-    proc = subprocess.run([PY, str(REPO / "train.py"), "--model", qwen35_model, "--dataset", "builtin:letters",
-                           "--reward-funcs", "letters", "--vllm-server-base-url", qwen35_server.base_url,
-                           "--num-generations", "4", "--max-completion-length", "8", "--learning-rate", "1e-3",
-                           "--max-steps", "3", "--save-steps", "3", "--output-dir", str(out),
-                           "--rollout-worker-timeout", "120"], capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train(qwen35_server, qwen35_model, out)
     after = served(qwen35_server.base_url, qwen35_model, seqs)
     final, floor = bf16_floor(str(out / "checkpoint-3"), seqs)
     initial, _ = bf16_floor(qwen35_model, seqs)
@@ -125,3 +141,33 @@ def test_training_pushes_weights_the_server_then_serves(qwen35_server, qwen35_mo
           f"|server - initial| mean {(after - initial).abs().mean():.4f}, bf16 floor {floor:.4f}")
     assert (after - final).abs().mean() <= 2 * floor + 1e-3, (float((after - final).abs().mean()), floor)
     assert (after - initial).abs().mean() > 10 * floor, "the server still scores like the initial weights"
+
+
+@pytest.fixture(scope="module")
+def qwen35_lora_server(qwen35_model, tmp_path_factory):
+    server = start_server(qwen35_model, tmp_path_factory.mktemp("qwen35_lora_vllm"), dtype="auto", lora_rank=8)
+    yield server
+    server.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_lora_adapter_sync_serves_the_trained_adapter(qwen35_lora_server, qwen35_model, tmp_path):
+    """`--lora-r 8` (all-linear) against a runtime-LoRA server: the adapter keeps to the language model (vLLM
+    refused PEFT's all-linear, which also adapts the vision tower), syncs as an adapter, and the last version the
+    server holds scores like the saved PEFT checkpoint within the bf16 gap."""
+    import httpx
+
+    seqs = shared_prompt_seqs(seed=2)
+    out = tmp_path / "run"
+    train(qwen35_lora_server, qwen35_model, out, "--lora-r", "8", lr="1e-2")  # B starts at 0: a LoRA-sized lr
+    names = [m["id"] for m in httpx.get(f"{qwen35_lora_server.base_url}/v1/models", timeout=30).json()["data"]]
+    last = max((n for n in names if n.startswith("grpo-v")), key=lambda n: int(n.rsplit("v", 1)[1]))
+    served_adapter = served(qwen35_lora_server.base_url, last, seqs)
+    final, floor = bf16_floor(qwen35_model, seqs, adapter=out / "checkpoint-3")
+    base, _ = bf16_floor(qwen35_model, seqs)
+    gap = (served_adapter - final).abs().mean()
+    print(f"\nQwen3.5 LoRA adapter {last}: |server - PEFT checkpoint| mean {gap:.4f}, |PEFT checkpoint - base| "
+          f"mean {(final - base).abs().mean():.4f}, bf16 floor {floor:.4f}")
+    assert gap <= 2 * floor + 1e-3, (float(gap), floor)
+    assert (final - base).abs().mean() > 5 * (2 * floor + 1e-3)  # the adapter moved the model well past the gap
