@@ -171,3 +171,20 @@ def test_lora_adapter_sync_serves_the_trained_adapter(qwen35_lora_server, qwen35
           f"mean {(final - base).abs().mean():.4f}, bf16 floor {floor:.4f}")
     assert gap <= 2 * floor + 1e-3, (float(gap), floor)
     assert (final - base).abs().mean() > 5 * (2 * floor + 1e-3)  # the adapter moved the model well past the gap
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_lora_merged_sync_serves_the_merged_policy(qwen35_server, qwen35_model, tmp_path):
+    """`--lora-r 8` against a server without --enable-lora: each sync merges the adapter into the text weights for
+    the transfer; the server then scores like the saved PEFT checkpoint (whatever it served before)."""
+    seqs = shared_prompt_seqs(seed=3)
+    out = tmp_path / "run"
+    train(qwen35_server, qwen35_model, out, "--lora-r", "8", lr="1e-2")
+    final, floor = bf16_floor(qwen35_model, seqs, adapter=out / "checkpoint-3")
+    base, _ = bf16_floor(qwen35_model, seqs)
+    gap = (served(qwen35_server.base_url, qwen35_model, seqs) - final).abs().mean()
+    print(f"\nQwen3.5 LoRA merged: |server - PEFT checkpoint| mean {gap:.4f}, |PEFT checkpoint - base| mean "
+          f"{(final - base).abs().mean():.4f}, bf16 floor {floor:.4f}")
+    assert gap <= 2 * floor + 1e-3, (float(gap), floor)
+    assert (final - base).abs().mean() > 5 * (2 * floor + 1e-3)
