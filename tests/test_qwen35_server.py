@@ -66,9 +66,12 @@ def bf16_floor(path: str, seqs, adapter: Path | None = None) -> tuple[torch.Tens
     return fp32, float((per_sample_logprobs(path, seqs, torch.bfloat16, adapter) - fp32).abs().mean())
 
 
-def train(server, model: str, out: Path, *extra: str, lr: str = "1e-3") -> None:
-    """train.py for 3 steps against `server` (cpu_file weight sync, or LoRA adapter sync with --lora-r)."""
-    proc = subprocess.run([PY, str(REPO / "train.py"), "--model", model, "--dataset", "builtin:letters",
+def train(server, model: str, out: Path, *extra: str, lr: str = "1e-3", ranks: int = 1) -> None:
+    """train.py for 3 steps against `server` (cpu_file weight sync, or LoRA adapter sync with --lora-r); ranks > 1
+    runs it under torchrun (FSDP2 over CPU ranks)."""
+    launcher = [PY] if ranks == 1 else [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                        str(ranks)]
+    proc = subprocess.run([*launcher, str(REPO / "train.py"), "--model", model, "--dataset", "builtin:letters",
                            "--reward-funcs", "letters", "--vllm-server-base-url", server.base_url,
                            "--num-generations", "4", "--max-completion-length", "8", "--learning-rate", lr,
                            "--max-steps", "3", "--save-steps", "3", "--output-dir", str(out),
@@ -128,16 +131,18 @@ def test_server_matches_the_trainers_tree_packed_forward(qwen35_server, qwen35_m
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_training_pushes_weights_the_server_then_serves(qwen35_server, qwen35_model, tmp_path):
-    """train.py for 3 steps with the cpu_file weight sync: afterwards the server scores like the saved checkpoint
-    (within the bf16 gap) and no longer like the initial weights."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_training_pushes_weights_the_server_then_serves(qwen35_server, qwen35_model, tmp_path, ranks):
+    """train.py for 3 steps with the cpu_file weight sync (one process, and 2 FSDP2 ranks whose shards are gathered
+    for the sync): afterwards the server scores like the saved checkpoint (within the bf16 gap) and no longer like
+    the initial weights."""
     seqs = shared_prompt_seqs(seed=1)
     out = tmp_path / "run"
-    train(qwen35_server, qwen35_model, out)
+    train(qwen35_server, qwen35_model, out, ranks=ranks)
     after = served(qwen35_server.base_url, qwen35_model, seqs)
     final, floor = bf16_floor(str(out / "checkpoint-3"), seqs)
     initial, _ = bf16_floor(qwen35_model, seqs)
-    print(f"\nQwen3.5 after 3 steps: |server - checkpoint| mean {(after - final).abs().mean():.4f}, "
+    print(f"\nQwen3.5 after 3 steps on {ranks} rank(s): |server - checkpoint| mean {(after - final).abs().mean():.4f}, "
           f"|server - initial| mean {(after - initial).abs().mean():.4f}, bf16 floor {floor:.4f}")
     assert (after - final).abs().mean() <= 2 * floor + 1e-3, (float((after - final).abs().mean()), floor)
     assert (after - initial).abs().mean() > 10 * floor, "the server still scores like the initial weights"
