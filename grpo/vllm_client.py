@@ -260,7 +260,8 @@ class VLLMClient:
     Connection errors, timeouts and 5xx answers are retried with backoff min(2**k, 16) s up to `max_retries`
     times (counted in `retry_count`, logged as `rollout/vllm_retry_count`); 4xx answers are configuration
     errors and raise `VLLMServerError` at once. With `fail_fast_on_refused` (several servers: another one can take
-    the work) a refused connection, i.e. no process listening, raises `ServerUnreachableError` without retrying.
+    the work) a refused connection, i.e. no process listening, raises `ServerUnreachableError` without retrying,
+    and so does a 5xx answer to the last retry (a live server that fails every request is as good as dead).
     """
 
     def __init__(self, base_url: str, model: str, timeout: float = 1800.0, max_retries: int = 5,
@@ -298,6 +299,10 @@ class VLLMClient:
                     raise ServerUnreachableError(self.base_url, f"vLLM server at {self.base_url}{route} unreachable "
                                                  f"after {attempt + 1} attempts: {type(exc).__name__}: {exc}") from exc
             else:
+                if response.status_code >= 500 and attempt == self.max_retries and self.fail_fast_on_refused:
+                    raise ServerUnreachableError(  # alive but useless: with several servers, another takes the work
+                        self.base_url, f"vLLM server at {self.base_url}{route} answered {response.status_code} to all "
+                        f"{attempt + 1} attempts: {_server_message(response)}")
                 if response.status_code < 500 or attempt == self.max_retries:
                     raise_for_status(response, route)
                     return response

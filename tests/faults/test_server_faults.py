@@ -148,6 +148,40 @@ def test_real_servers_keep_each_group_on_one_server(server_pair, tiny_qwen3):
 
 
 @pytest.mark.vllm
+def test_a_server_answering_5xx_to_everything_is_dropped_and_its_rollouts_rerun(server_pair, tiny_qwen3):
+    """Server 1 stays up but answers 503 to every generation request (through the fault proxy): after the client's
+    retries it is marked dead like an unreachable one, its rollouts run again on server 0, and every group ends.
+    (It used to stop the run: only refused connections and exhausted transport retries marked a server dead.)"""
+    from transformers import AutoTokenizer
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.rollout_loop import AsyncRolloutLoop
+
+    from .proxy import FaultProxy
+
+    proxy = FaultProxy(server_pair[1].base_url)
+    for route in ("/v1/completions", "/inference/v1/generate"):  # both generation routes, forever
+        proxy.add(route, "503")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+        urls = (server_pair[0].base_url, proxy.base_url)
+        config = AsyncGRPOConfig(model=str(tiny_qwen3), vllm_server_base_url=urls, num_generations=4,
+                                 max_completion_length=8)
+        prompts = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(6)]
+        groups = []
+        loop = AsyncRolloutLoop(config, str(tiny_qwen3), prompts, [lambda completion_ids, **kw: [0.0] * 4],
+                                tokenizer, [tokenizer.eos_token_id],
+                                group_callback=lambda g, adv, kept: groups.append(g))
+        within(300, asyncio.run, loop.run(max_groups=6))
+    finally:
+        proxy.close()
+    generation_hits = proxy.hits.get("/v1/completions", 0) + proxy.hits.get("/inference/v1/generate", 0)
+    assert generation_hits >= 6, proxy.hits  # rollouts went there, and were retried
+    assert len(groups) == 6 and all(r.server == urls[0] for g in groups for r in g.rollouts)
+    assert [s.url for s in loop.pool.alive] == [urls[0]]
+
+
+@pytest.mark.vllm
 def test_a_server_killed_mid_run_leaves_the_run_training_on_the_other(server_pair, tmp_path):
     """SIGKILL server 1's process group after step 2: its rollouts move to server 0, the weight sync drops it, the
     run reaches max_steps, and every prompt below the final low-water mark is trained once or dropped."""
