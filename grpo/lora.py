@@ -61,10 +61,10 @@ def wrap_policy(model: nn.Module, peft_config) -> nn.Module:
     is forced to 0 like every other dropout (grpo/model.py: RL trains the policy the sampler ran)."""
     from peft import get_peft_model
 
-    from grpo.model import disable_dropout, is_vlm_config
+    from grpo.model import disable_dropout, is_text_param, is_vlm_config
 
-    targets = peft_config.target_modules
-    if targets == "all-linear" and is_vlm_config(model.config):
+    targets, vlm = peft_config.target_modules, is_vlm_config(model.config)
+    if targets == "all-linear" and vlm:
         targets = text_linear_targets(model)
         peft_config = dataclasses.replace(peft_config, target_modules=targets)
     named = [targets] if isinstance(targets, str) else list(targets or [])
@@ -78,7 +78,7 @@ def wrap_policy(model: nn.Module, peft_config) -> nn.Module:
         raise ValueError(f"target_modules={targets!r} matched lm_head, which is not supported; name the "
                          "decoder's linear layers or use `all-linear`")
     outside = sorted({n.split(".lora_")[0] for n, _ in peft_model.named_parameters()
-                      if is_lora_name(n) and is_vlm_config(model.config) and "language_model" not in n})
+                      if vlm and is_lora_name(n) and not is_text_param(n)})
     if outside:
         raise ValueError(f"target_modules={targets!r} put adapters outside the language model ({outside[:4]}...): "
                          "this VLM checkpoint trains text-only and vLLM refuses such adapters; name text modules "

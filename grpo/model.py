@@ -144,13 +144,13 @@ def freeze_non_text(model) -> int:
     """requires_grad=False for every parameter outside the language model and the LM head; returns the count."""
     n = 0
     for name, p in model.named_parameters():
-        if not _is_text_param(name):
+        if not is_text_param(name):
             p.requires_grad_(False)
             n += p.numel()
     return n
 
 
-def _is_text_param(name: str) -> bool:
+def is_text_param(name: str) -> bool:
     return "language_model" in name or name.startswith("lm_head")
 
 
