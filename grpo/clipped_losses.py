@@ -10,10 +10,13 @@ old policy and its logprobs can disagree with the trainer's beyond any trust reg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from grpo.losses import (LossInputs, LossOutput, Normalizer, per_token, register_loss, sampled_token_ratio,
-                         sequence_mean, sequence_sum, standard_metrics)
+from grpo.losses import (SAMPLER_NEG_INF, LossInputs, LossOutput, Normalizer, per_token, register_loss,
+                         sampled_token_ratio, sequence_mean, sequence_sum, standard_metrics)
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class ClippedOptions:
     """`sequence`: mean over each sequence then over sequences (GRPO); `token`: mean over all tokens (DAPO);
     `constant`: sum / (sequences x max_completion_length) (Dr. GRPO)."""
     off_policy_mask_threshold: float | None = None
-    """Drop sequences with A < 0 whose mean log(q/p) exceeds this (DeepSeek-V3.2 off-policy sequence masking)."""
+    """Drop sequences with A < 0 whose mean log(q/p) over all their tokens exceeds this (DeepSeek-V3.2 off-policy
+    sequence masking; tokens with the sampler's -9999 placeholder logprob leave the mean)."""
     vllm_importance_sampling_clip_min: float = 0.5
     """Tokens whose trainer/sampler ratio is below this leave the loss (masked importance sampling)."""
     vllm_importance_sampling_clip_max: float = 5.0
@@ -61,7 +65,7 @@ def clipped_surrogate(inputs: LossInputs, opts: ClippedOptions) -> LossOutput:
     The ratio is per token (GRPO, arXiv 2402.03300; DAPO, arXiv 2503.14476) or the sequence's geometric mean
     (GSPO, arXiv 2507.18071, over the sequence's in-band tokens); the normaliser is the option's. Off-policy
     sequence masking (DeepSeek-V3.2, arXiv 2512.02556) removes negative-advantage sequences whose sampler drifted
-    more than the threshold in mean log(q/p).
+    more than the threshold in mean log(q/p) over all their tokens (`off_policy_drift`), as the paper defines it.
     """
     import torch
 
@@ -72,7 +76,7 @@ def clipped_surrogate(inputs: LossInputs, opts: ClippedOptions) -> LossOutput:
                             torch.zeros_like(raw_ratio))  # [M]
     kept_per_seq = sequence_sum(band.to(raw_ratio.dtype), inputs).clamp_min(1)  # [S]
     if opts.off_policy_mask_threshold is not None:
-        drift = -sequence_sum(log_ratio.detach(), inputs) / kept_per_seq  # [S] mean log(q/p) over in-band tokens
+        drift = off_policy_drift(inputs)  # [S]
         off_policy = (sequence_mean(inputs.advantages, inputs) < 0) & (drift > opts.off_policy_mask_threshold)
         kept = kept & ~per_token(off_policy, inputs)
     if opts.ratio_level == "sequence":
@@ -98,6 +102,22 @@ def clipped_surrogate(inputs: LossInputs, opts: ClippedOptions) -> LossOutput:
 
 for _name, _options, _description in _presets():
     register_loss(_name, _options, _description)(clipped_surrogate)
+
+
+def off_policy_drift(inputs: LossInputs) -> Tensor:
+    """[S] detached: each sequence's mean log(q/p) = mean_t (log q(y_t) - log p(y_t)), DeepSeek-V3.2's statistic.
+
+    The mean runs over all of the sequence's tokens, the IS band's removed ones included (they are the ones that
+    drifted most), except those whose sampler logprob is vLLM's -inf stand-in (<= -9999): their log(q/p) is
+    meaningless, so they leave both the sum and the count. A sequence with no other token gets 0 (never masked).
+    """
+    import torch
+
+    valid = inputs.sampler_logprobs > SAMPLER_NEG_INF  # [M]
+    log_q_over_p = torch.where(valid, inputs.sampler_logprobs - inputs.policy_logprobs.detach(),
+                               torch.zeros_like(inputs.sampler_logprobs))  # [M]
+    count = sequence_sum(valid.to(log_q_over_p.dtype), inputs).clamp_min(1)  # [S]
+    return sequence_sum(log_q_over_p, inputs) / count
 
 
 @dataclass(frozen=True)

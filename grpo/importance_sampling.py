@@ -5,7 +5,9 @@ The weight corrects for sampling from q (vLLM, possibly stale) instead of the tr
 (TIS, Yao et al. "Your efficient RL framework secretly brings you off-policy RL training", 2025; CISPO,
 MiniMax-M1 arXiv 2506.13585, which clamps at 1 + epsilon_high with no lower bound); masking removes tokens or
 sequences whose weight leaves the band (MIS / IcePop, Ring-1T arXiv 2510.18855). Tokens whose sampler logprob is
-vLLM's -inf stand-in (-9999) are always removed: their ratio is meaningless.
+vLLM's -inf stand-in (-9999) are always removed: their ratio is meaningless. At sequence level the same rule holds
+for mask and truncate alike: such a token leaves the sequence's product of ratios and the loss, and the rest of its
+sequence is weighted by the product over its other tokens (it does not mask the whole sequence).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class ImportanceSampledOptions:
 
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
                                            "sequence_mask"] = "token_truncate"
-    """Weight level (`token`: w_t = p/q of the token; `sequence`: w = prod_t p/q of the sequence, on every token)
+    """Weight level (`token`: w_t = p/q of the token; `sequence`: w = prod_t p/q over the sequence's tokens, on each;
+    tokens with the sampler's -9999 placeholder leave the product and the loss, not the rest of their sequence)
     x what happens outside [clip_min, clip_max] (`truncate`: clamp the weight; `mask`: drop the token/sequence)."""
     vllm_importance_sampling_clip_min: float = 0.0
     """Lower end of the weight band."""
@@ -64,13 +67,12 @@ def importance_weighted(inputs: LossInputs, opts: ImportanceSampledOptions) -> L
                             torch.zeros_like(inputs.sampler_logprobs))  # [M]
     raw_ratio = torch.where(valid, log_ratio.exp(), torch.full_like(log_ratio, float("inf")))  # metrics
     if level == "sequence":
-        ratio = per_token(sequence_sum(log_ratio, inputs).exp(), inputs)  # [M] prod_t r_t of the token's sequence
+        # [M] prod_t r_t over the valid tokens of the token's sequence (invalid ones contribute log r = 0)
+        ratio = per_token(sequence_sum(log_ratio, inputs).exp(), inputs)
     else:
         ratio = log_ratio.exp()
     if mode == "mask":
-        kept = valid & in_band(ratio, low, high)
-        if level == "sequence":  # an invalid token masks its whole sequence
-            kept = kept & per_token(sequence_sum((~valid).float(), inputs) == 0, inputs)
+        kept = valid & in_band(ratio, low, high)  # sequence level: an invalid token leaves only itself
         weight = torch.where(kept, ratio, torch.zeros_like(ratio))
     else:
         kept = valid

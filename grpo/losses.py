@@ -15,7 +15,7 @@ as `loss:name` with its options, and tests/test_losses.py runs the invariants on
 The built-in families live in `grpo/clipped_losses.py`, `grpo/importance_sampling.py` and
 `grpo/score_centering.py`. How they depart from their papers: the "old policy" is the sampler itself (vLLM's
 processed logprobs), so one ratio covers staleness and the train/inference mismatch; there is no reference model
-and no KL term.
+and no KL term. docs/losses.md lists every deliberate departure, per family, with the reason.
 """
 
 from __future__ import annotations
@@ -187,11 +187,13 @@ def sampler_needs(options: Any) -> SamplerNeeds:
 
 
 def normalized_loss(out: LossOutput, inputs: LossInputs, world_size: int, grad_accum: int) -> Tensor:
-    """This rank's micro-batch loss: sum(terms) / max(D / W, 1) / GA, D = the normaliser's global count.
+    """This rank's micro-batch loss: sum(terms) / (D / W) / GA, D = the normaliser's global count.
 
     FSDP averages gradients over the W ranks and the GA micro-batches of a step are summed, so the step's gradient
     is the mean over micro-batches of sum-over-all-ranks(terms) / D. D counts every trained token (masked and
     zero-advantage ones included) or every sequence with a trained token, over all ranks of the micro-batch.
+    D / W is not floored at 1: when D < W (ranks holding padding rows, e.g. at the end-of-data flush) a floor would
+    make the divisor W instead of D. D = 0 (nothing trained anywhere) gives 0 with a zero gradient.
     """
     expected = inputs.num_sequences if out.normalizer == "sequence" else inputs.policy_logprobs.shape[0]
     if out.terms.shape != (expected,):
@@ -205,8 +207,9 @@ def normalized_loss(out: LossOutput, inputs: LossInputs, world_size: int, grad_a
         count = inputs.num_sequences_global * inputs.max_completion_length
     else:
         raise ValueError(f"unknown normaliser {out.normalizer!r}: use 'token', 'sequence' or 'constant'")
-    per_rank = max(float(count) / world_size, 1.0)
-    return out.terms.sum() / per_rank / grad_accum
+    if count <= 0:
+        return out.terms.sum() * 0.0
+    return out.terms.sum() / (float(count) / world_size) / grad_accum
 
 
 # ---- shared pieces: ratio, masking band, per-sequence reductions, metrics -------------------------------------------

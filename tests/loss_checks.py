@@ -160,9 +160,40 @@ def check_normaliser_over_ranks_and_accumulation(name: str) -> None:
     assert reference.abs().sum() > 0
 
 
+def check_normaliser_with_fewer_units_than_ranks(name: str) -> None:
+    """D < W: fewer trained units in the micro-batch than ranks, the other ranks holding zero-weight padding rows
+    (end-of-data flush, staleness re-check). The step's gradient must still be the one-row loss over the D units:
+    each rank divides by D / W (not max(D / W, 1)) and FSDP's mean over W ranks restores 1 / D.
+
+    Cases: W = 4 with 2 sequences on ranks 0 and 1 (D = 2 sequences < 4 for `sequence`); W = 2 with one 1-token
+    sequence on rank 0 (D = 1 token and 1 sequence < 2). Nearly on-policy (noise 1e-5), so that no loss clips or
+    masks these few tokens away and the gradient compared is not zero (masking is checked elsewhere)."""
+    fn, options = get_loss(name)
+    for lengths, world, placement in (((3, 2), 4, ([0], [1], [], [])), ((1,), 2, ([0], []))):
+        policy_logits, sampler_logits, targets, advantages, top_ids, _ = structured_case(lengths, seed=8, noise=1e-5)
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        counts = dict(num_tokens_global=sum(lengths), num_sequences_global=len(lengths))
+
+        def row_loss(seqs, world_size, **counts):
+            tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
+            local = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([lengths[s] for s in seqs]))
+            inputs = make_inputs(policy_logits[tokens], sampler_logits[tokens], targets[tokens],
+                                 advantages[list(seqs)], top_ids[tokens], local, **counts)
+            return normalized_loss(fn(inputs, options), inputs, world_size, 1)
+
+        distributed = torch.zeros_like(policy_logits)
+        for seqs in placement:
+            if seqs:  # a padding row is forwarded with loss * 0 (train.py): zero gradient, but it counts in W
+                (g,) = torch.autograd.grad(row_loss(seqs, world, **counts), (policy_logits,))
+                distributed += g / world  # FSDP averages the ranks' gradients
+        (reference,) = torch.autograd.grad(row_loss(list(range(len(lengths))), 1), (policy_logits,))
+        torch.testing.assert_close(distributed, reference, msg=lambda m: f"W = {world}, lengths {lengths}: {m}")
+        assert reference.abs().sum() > 0
+
+
 CHECKS = (check_on_policy_is_reinforce, check_removed_tokens_have_no_gradient,
           check_sampler_minus_inf_is_removed_and_never_nan, check_metrics_and_empty_rows,
-          check_normaliser_over_ranks_and_accumulation)
+          check_normaliser_over_ranks_and_accumulation, check_normaliser_with_fewer_units_than_ranks)
 
 
 def check_loss(name: str) -> None:

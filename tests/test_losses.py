@@ -62,8 +62,11 @@ HAND_CASES = {
     # GSPO with eps = 0.2 (its 3e-4 would clip both sequences): s0 = 1.162, s1 = 0.812 inside [0.8, 1.2];
     # d s / d log p_t = s / 2 per kept token, sequence mean then / 2 sequences.
     "gspo": ({"epsilon": 0.2, "epsilon_high": 0.2}, (-_S0 + 2 * _S1) / 2, [-_S0 / 4, -_S0 / 4, _S1 / 2, _S1 / 2, 0]),
-    # sequence 1 has A < 0 and mean log(q/p) = -(log 0.6 + log 1.1) / 2 = 0.208 > 0.1: removed
-    "off_policy_masked": ({}, (-1.28 - 0.9) / 5, [0, -0.9 / 5, 0, 0, 0]),
+    # DeepSeek-V3.2: sequence i is dropped iff A_i < 0 and (1/|o_i|) sum_t log(q/p) > 0.1, over ALL its tokens.
+    # Sequence 1 (A < 0): -(log 0.6 + log 1.1 + log 6.0) / 3 = -0.459 <= 0.1: kept (6.0 leaves by the band only),
+    # so the terms are DAPO's. (Over in-band tokens only it would be 0.208 and drop the sequence; the case that drops
+    # one is test_off_policy_mask_statistic_is_over_all_tokens.)
+    "off_policy_masked": ({}, (-1.28 - 0.9 + 1.6 + 2.2) / 5, [0, -0.9 / 5, 0, 2.2 / 5, 0]),
     "gmpo": ({}, (-_G0 + 2 * _G1) / 2, [0, -_G0 / 4, 0, _G1 / 2, 0]),
     "tis": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 2.0))),  # truncated at 2
     "mis": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 0.0))),  # 6.0 outside [0.5, 2]
@@ -90,6 +93,71 @@ def test_hand_computed_case(name):
     (grad,) = torch.autograd.grad(loss, (policy,))
     assert loss.item() == pytest.approx(want_loss, rel=1e-9, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+
+
+def _row(policy, sampler, advantages, sequence_index):
+    """One row in float64 with a grad leaf for log p, no top-k (the loss families that do not read it)."""
+    policy = torch.tensor(policy, dtype=torch.float64, requires_grad=True)
+    no_top = torch.zeros(len(sampler), 0, dtype=torch.float64)
+    inputs = LossInputs(policy, torch.tensor(sampler, dtype=torch.float64),
+                        torch.tensor(advantages, dtype=torch.float64), torch.tensor(sequence_index),
+                        policy_top_logprobs=no_top, sampler_top_logprobs=no_top)
+    return policy, inputs
+
+
+def _loss_and_grad(name, policy, inputs, **overrides):
+    fn, options = get_loss(name)
+    out = fn(inputs, dataclasses.replace(options, **overrides))
+    loss = normalized_loss(out, inputs, 1, 1)
+    (grad,) = torch.autograd.grad(loss, (policy,), allow_unused=True)
+    return loss.item(), (torch.zeros_like(policy) if grad is None else grad), out
+
+
+def test_off_policy_mask_statistic_is_over_all_tokens():
+    # DeepSeek-V3.2 (arXiv 2512.02556), off-policy sequence masking:
+    #   M_i = 0  iff  A_i < 0  and  (1 / |o_i|) sum_{t=1}^{|o_i|} log(pi_old(o_t) / pi_theta(o_t)) > delta
+    # over ALL |o_i| tokens. One sequence, A = -1, log(p/q) = [-1.0, -0.05], delta = 0.1:
+    #   (1.0 + 0.05) / 2 = 0.525 > 0.1 -> dropped: loss 0, gradient 0. (Token 0's ratio e^-1 = 0.37 is outside the
+    #   [0.5, 5] band; a statistic over in-band tokens only would be 0.05 and keep token 1: loss 0.4756.)
+    policy, inputs = _row([-2.0, -1.05], [-1.0, -1.0], [-1.0, -1.0], [0, 0])
+    loss, grad, out = _loss_and_grad("off_policy_masked", policy, inputs)
+    assert loss == 0.0
+    torch.testing.assert_close(grad, torch.zeros(2, dtype=torch.float64), rtol=0, atol=0)
+    assert not out.kept.any()
+    assert out.metrics["sampling/off_policy_masked_frac"].item() == pytest.approx(0.5)  # token 1; token 0: band
+    # The mask only touches A < 0: with A = +1 token 1 stays, -min(r A, clip(r, 0.8, 1.28) A) / 2 tokens,
+    # r = e^-0.05, d/dlog p = -r / 2.
+    policy, inputs = _row([-2.0, -1.05], [-1.0, -1.0], [1.0, 1.0], [0, 0])
+    loss, grad, _ = _loss_and_grad("off_policy_masked", policy, inputs)
+    r = math.exp(-0.05)
+    assert loss == pytest.approx(-r / 2, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([0.0, -r / 2], dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_off_policy_mask_statistic_leaves_out_sampler_placeholder_tokens():
+    # A token whose sampler logprob is vLLM's -inf stand-in (-9999) has no meaningful log(q/p): it leaves the mean
+    # (numerator and |o_i|). A = -1, log(p/q) = [-0.2, -0.05] and one placeholder token:
+    #   (0.2 + 0.05) / 2 = 0.125 > 0.1 -> dropped. (Counting the placeholder as 0 in |o_i| would give 0.083 and
+    #   keep it; taking its raw log(q/p) = -9999 - log p would make the mean hugely negative and keep it.)
+    policy, inputs = _row([-1.2, -1.05, -3.0], [-1.0, -1.0, -9999.0], [-1.0] * 3, [0, 0, 0])
+    loss, grad, out = _loss_and_grad("off_policy_masked", policy, inputs)
+    assert loss == 0.0 and not out.kept.any()
+    torch.testing.assert_close(grad, torch.zeros(3, dtype=torch.float64), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["sequence_mis", "sequence_tis"])
+def test_sequence_weight_leaves_out_sampler_placeholder_tokens(name):
+    # Sequence-level IS: w_i = prod_{t valid} p(y_t) / q(y_t), l_t = -sg(w_i) A_i log p(y_t) on the sequence's
+    # valid tokens; a token with q = -9999 (vLLM's -inf) has no meaningful ratio and leaves the product and the loss,
+    # the rest of its sequence stays (the same rule for mask and truncate). Here r = [1.2, 1.5, placeholder], A = +1:
+    #   w = 1.8, inside [0.5, 2] (mask) and below 2 (truncate): loss = -1.8 (log p_0 + log p_1) / 3 tokens,
+    #   d loss / d log p = [-1.8 / 3, -1.8 / 3, 0] (the token normaliser counts the removed token).
+    logp = [-1.0 + math.log(1.2), -1.0 + math.log(1.5), -3.0]
+    policy, inputs = _row(logp, [-1.0, -1.0, -9999.0], [1.0] * 3, [0, 0, 0])
+    loss, grad, out = _loss_and_grad(name, policy, inputs)
+    assert loss == pytest.approx(-1.8 * (logp[0] + logp[1]) / 3, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([-0.6, -0.6, 0.0], dtype=torch.float64), rtol=1e-12, atol=0)
+    assert out.kept.tolist() == [True, True, False]
 
 
 def test_clip_metrics_by_hand():
@@ -252,11 +320,42 @@ def test_normalized_loss_divides_by_the_named_global_count():
     assert normalized_loss(LossOutput(terms, "constant", terms > 0, {}), inputs, 2, 1).item() == pytest.approx(0.6)
     per_sequence = torch.tensor([1.0, 3.0])  # sequence: 4 sequences over 4 ranks -> divisor 1
     assert normalized_loss(LossOutput(per_sequence, "sequence", terms > 0, {}), inputs, 4, 1).item() == 4.0
-    # fewer global tokens than ranks: the divisor is floored at 1
+    # fewer global tokens than ranks: still D / W per rank (1 / 4), no floor -> 6 / (1 / 4) / 3
     few = LossInputs(torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.tensor([0, 0, 1]), num_tokens_global=1)
-    assert normalized_loss(LossOutput(terms, "token", terms > 0, {}), few, 4, 3).item() == pytest.approx(2.0)
+    assert normalized_loss(LossOutput(terms, "token", terms > 0, {}), few, 4, 3).item() == pytest.approx(8.0)
     with pytest.raises(ValueError, match="sequence_mean"):
         normalized_loss(LossOutput(terms, "sequence", terms > 0, {}), inputs, 1, 1)
+
+
+@pytest.mark.parametrize("normalizer, world, count", [("sequence", 4, 2), ("token", 2, 1), ("constant", 4, 1)])
+def test_normalized_loss_with_fewer_units_than_ranks(normalizer, world, count):
+    # The step's loss is sum over all ranks' terms / D. Rank r's loss is sum(terms_r) / (D / W) and FSDP averages
+    # the W ranks' gradients, so d step / d term = (1 / W) (W / D) = 1 / D for any D >= 1, also D < W (the other
+    # ranks hold padding rows: end-of-data flush, staleness re-check). Cases: W = 4 with 2 trained sequences;
+    # W = 2 with one trained token; W = 4 with one sequence x max_completion_length 2 (constant, D = 2).
+    # Here rank 0 holds one unit with term 3 (the rest of the micro-batch, if any, is on other ranks).
+    term = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)
+    inputs = LossInputs(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.tensor([0]),
+                        num_tokens_global=count, num_sequences_global=count, max_completion_length=2)
+    divisor = count * (2 if normalizer == "constant" else 1)  # D
+    loss = normalized_loss(LossOutput(term, normalizer, term > 0, {}), inputs, world, 1)
+    (grad,) = torch.autograd.grad(loss, (term,))
+    assert loss.item() == pytest.approx(3.0 * world / divisor)  # sum(terms_r) / (D / W)
+    assert (grad / world).item() == pytest.approx(1 / divisor)  # after FSDP's mean over W ranks: 1 / D
+
+
+@pytest.mark.parametrize("normalizer", ["token", "sequence", "constant"])
+def test_normalized_loss_without_any_trained_unit_is_zero_with_zero_gradient(normalizer):
+    # D = 0 (no trained token on any rank): the loss is 0 and its gradient 0, not NaN.
+    lengths = torch.tensor([0, 0])  # two padding sequences
+    per_sequence = normalizer == "sequence"
+    terms = torch.zeros(2 if per_sequence else 0, dtype=torch.float64, requires_grad=True)
+    inputs = LossInputs(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                        sequence_lengths=lengths)
+    assert inputs.num_tokens_global == inputs.num_sequences_global == 0
+    loss = normalized_loss(LossOutput(terms, normalizer, torch.zeros(0, dtype=torch.bool), {}), inputs, 4, 2)
+    (grad,) = torch.autograd.grad(loss, (terms,))
+    assert loss.item() == 0.0 and torch.isfinite(grad).all() and (grad == 0).all()
 
 
 def test_registry_errors_and_import_path():
