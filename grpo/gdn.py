@@ -7,14 +7,28 @@ o_t = S_t q_t. In a packed trie a token's history is its path, not the packed po
 - the conv reads the token's K_c - 1 path predecessors (`token_pred` chained, zero past the root) through an
   [N, K_c] index table - a gather plus a depthwise product (`tree_causal_conv1d`);
 - the recurrence runs each segment (a unary chain, contiguous in the row) from its parent segment's final
-  state, one batched chunked call per level of the segment tree (`tree_chunk_gated_delta_rule`), so sequential
-  launches = tree depth, not segment count. Autograd flows through the initial states, so a child's loss reaches
-  its parent's chain.
+  state, one batched call per level of the segment tree, so sequential launches = tree depth, not segment
+  count. Autograd flows through the initial states, so a child's loss reaches its parent's chain.
 
-Departures from the unpacked layer, all exact up to fp rounding: chunk boundaries restart at every segment; a
-level's segments are right-padded to its longest one with g = 0, beta = 0, k = q = v = 0, which leaves the
-state unchanged, so final states are exact (padding costs compute, not correctness; a varlen kernel would avoid
-it).
+Kernels of the recurrence (`gdn_kernels` picks them per device, forward and backward judged separately, and logs
+the choice once):
+
+- `chunk_gated_delta_rule`, this module's torch kernel: 64-token chunks in the WY/UT form of the Gated DeltaNet
+  paper (arXiv 2412.06464; FLA's chunk algorithm). Everything inside a chunk is batched matmuls over all chunks
+  of all segments of a level at once; the only sequential work is one [D_k, D_k] x [D_k, D_v] matmul per chunk
+  (`_ChunkScan`, which has a hand-written reverse scan as its backward; the rest is autograd). A level's
+  segments are right-padded to a multiple of 64 past its longest one with g = 0, beta = 0, k = q = v = 0, which
+  leaves the state unchanged, so final states are exact (padding costs compute, not correctness).
+- `sequential_gated_delta_rule`: the token-by-token recurrence, the reference the chunked kernel is tested against.
+- FLA's varlen `chunk_gated_delta_rule` (`pip install fla-core`): a level's segments concatenated (`cu_seqlens`,
+  one initial state per segment), no padding. Used only in the directions `fla_directions` accepts on the
+  running Triton/GPU (its gated chunk backward is wrong with Triton >= 3.4, < 3.7.1 on Hopper).
+
+The torch path never calls transformers' `torch_chunk_gated_delta_rule`: transformers binds that name to FLA's
+kernel whenever `fla` is importable, so `gdn_kernel=torch` would silently run FLA.
+
+Departures from the unpacked layer, all exact up to fp rounding: chunk boundaries restart at every segment; the
+padding above.
 
 `patch_gdn_layers` is the one place this codebase wraps model code: transformers routes attention through
 `AttentionInterface` (which `grpo/tree_attention.py` uses), but has no such interface for recurrent layers, so
@@ -27,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +48,17 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
+CHUNK = 64
+"""Chunk length of the torch kernel; a trie level's padded length is a multiple of it."""
+
+
 @dataclass(frozen=True)
 class LevelPlan:
     """The segments of one segment-tree level, right-padded into a batch."""
 
-    gather_index: torch.Tensor  # [B, T] packed position of each slot; N (a zero row) for padding
+    gather_index: torch.Tensor  # [B, T] packed position of each slot; N (a zero row) for padding; T % CHUNK == 0
     valid: torch.Tensor  # [B, T] bool, False at padding
+    valid_index: torch.Tensor  # [n_level] flat positions (in B x T) of the valid slots: no mask-indexing sync
     parent_slot: torch.Tensor | None  # [B] row of the parent in the previous level's final states; None for roots
     flat_index: torch.Tensor  # [n_level] packed positions of the level's tokens, segment after segment (varlen)
     cu_seqlens: torch.Tensor  # [B + 1] long, segment bounds within flat_index (on the row's device)
@@ -99,12 +117,14 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
     for level, segs in enumerate(by_level):
         starts = torch.tensor([bounds[s] for s in segs], device=device)  # [B]
         lengths = torch.tensor([bounds[s + 1] - bounds[s] for s in segs], device=device)  # [B]
-        offsets = torch.arange(int(lengths.max()), device=device)  # [T]
+        longest = max(bounds[s + 1] - bounds[s] for s in segs)
+        offsets = torch.arange(-(-longest // CHUNK) * CHUNK, device=device)  # [T], whole chunks
         valid = offsets[None, :] < lengths[:, None]  # [B, T]
         gather_index = torch.where(valid, starts[:, None] + offsets[None, :], token_pred.shape[0])  # [B, T]
         parent_slot = None if level == 0 else torch.tensor([slot_in_level[parents[s]] for s in segs], device=device)
         cu_cpu = torch.tensor([0] + [bounds[s + 1] - bounds[s] for s in segs]).cumsum(0)  # [B + 1]
-        plans.append(LevelPlan(gather_index, valid, parent_slot, gather_index[valid], cu_cpu.to(device), cu_cpu))
+        plans.append(LevelPlan(gather_index, valid, valid.flatten().nonzero()[:, 0], parent_slot,
+                               gather_index[valid], cu_cpu.to(device), cu_cpu))
     order = torch.cat([p.gather_index[p.valid] for p in plans])  # [N] packed positions, level-major
     return TreeScanPlan(conv_index_table(token_pred, kernel_size), plans, torch.argsort(order))
 
@@ -156,12 +176,203 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
     return out.to(mixed_qkv.dtype)
 
 
+# ------------------------------------------------------------------------------------- gated delta rule kernels
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim, the normalisation of transformers' and FLA's GDN kernels."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _accumulation_dtype(*tensors) -> torch.dtype:
+    """fp32, or fp64 when an input is fp64 (gradcheck)."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def sequential_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                                use_qk_l2norm_in_kernel=False, **_):
+    """The gated delta rule token by token, in fp32 (fp64 for fp64 inputs): the reference implementation.
+
+    Same arguments and returns as `chunk_gated_delta_rule`: query/key [B, T, H, D_k], value [B, T, H, D_v],
+    g (log decay, <= 0) / beta [B, T, H], initial_state [B, H, D_k, D_v]. Per step:
+    S <- e^{g_t} S; S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t / sqrt(D_k).
+    """
+    acc = _accumulation_dtype(query, key, value, initial_state)
+    batch, length, heads, d_k = key.shape
+    q, k, v = (t.to(acc).transpose(1, 2) for t in (query, key, value))  # [B, H, T, D]
+    g, beta = (t.to(acc).transpose(1, 2) for t in (g, beta))  # [B, H, T]
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q * d_k ** -0.5
+    state = (torch.zeros(batch, heads, d_k, v.shape[-1], dtype=acc, device=q.device) if initial_state is None
+             else initial_state.to(acc))  # [B, H, D_k, D_v]
+    outputs = []
+    for t in range(length):
+        state = state * g[:, :, t, None, None].exp()
+        delta = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, :, t]))  # [B, H, D_v]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
+    out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(batch, 0, heads, v.shape[-1])  # [B, T, H, D_v]
+    return out.to(query.dtype), state if output_final_state else None
+
+
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], C a power of two.
+
+    Recursive 2 x 2 block inversion [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]], from 1 x 1 blocks up:
+    log2(C) levels, each two batched matmuls over every diagonal-block pair. Numerically this is a blocked
+    forward substitution (it never forms powers of `a`, whose Neumann series can grow huge for the delta rule's
+    nearly parallel keys) and it is plain differentiable torch.
+    """
+    c = a.shape[-1]
+    if c & (c - 1):
+        raise ValueError(f"chunk size {c} is not a power of two")
+    lead = a.shape[:-2]
+    inverse = None  # [..., n_blocks, b, b]: inverses of the diagonal b x b blocks
+    b = 1
+    while b < c:
+        n = c // (2 * b)
+        lower = a.reshape(*lead, n, 2, b, n, 2, b)[..., 1, :, :, 0, :]  # [..., n, b, n, b]
+        lower = torch.diagonal(lower, dim1=-4, dim2=-2).movedim(-1, -3)  # [..., n, b, b]: block (2m+1, 2m)
+        if inverse is None:  # 1 x 1 unit diagonal blocks: their inverses are 1
+            top_left = bottom_right = torch.ones_like(lower)
+            bottom_left = -lower
+        else:
+            top_left, bottom_right = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+            bottom_left = -(bottom_right @ lower @ top_left)
+        inverse = torch.cat([torch.cat([top_left, torch.zeros_like(lower)], -1),
+                             torch.cat([bottom_left, bottom_right], -1)], -2)  # [..., n, 2b, 2b]
+        b *= 2
+    return inverse[..., 0, :, :] if inverse is not None else torch.ones_like(a)
+
+
+def _chunk_prepare(q, k, v, g, beta, mm: torch.dtype):
+    """Everything of the chunked rule that does not depend on the state, batched over all chunks.
+
+    q/k [..., C, D_k] (normalised, q scaled), v [..., C, D_v], g/beta [..., C], in the accumulation dtype `acc`;
+    `mm` is the operand dtype of the large matmuls (acc, or bf16 for bf16 inputs). With G_r = sum_{i<=r} g_i
+    within the chunk, S_0 the state entering it and T = (I + A)^-1, A_rj = beta_r e^{G_r - G_j} k_r.k_j (j < r):
+    the chunk's deltas are U - W S_0 (U = T (beta v), W = T (beta e^G k)), its outputs
+    (e^G q) S_0 + (q k^T o e^{G_r - G_j})_{j<=r} (U - W S_0), and the state leaving it is trans S_0 + rhs with
+    trans = e^{G_C} I - (e^{G_C - G} k)^T W, rhs = (e^{G_C - G} k)^T U. Returns (qd, attn, u, w, trans, rhs).
+    """
+    acc = q.dtype
+    c, d_k = q.shape[-2], q.shape[-1]
+    cum = g.cumsum(-1)  # [..., C]
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [..., C, C]
+    q_mm, k_mm = q.to(mm), k.to(mm)
+    k_t = k_mm.transpose(-1, -2)
+    a = ((k_mm @ k_t).to(acc) * decay * beta[..., :, None]).tril(-1)  # [..., C, C] strictly lower
+    attn = (q_mm @ k_t).to(acc) * decay  # [..., C, C], diagonal included
+    t = unit_lower_inverse(a).to(mm)  # [..., C, C]
+    u = t @ (v * beta[..., None]).to(mm)  # [..., C, D_v]
+    w = t @ (k * (beta * cum.exp())[..., None]).to(mm)  # [..., C, D_k]
+    last = cum[..., -1:]  # [..., 1]
+    k_out = (k * (last - cum).exp()[..., None]).transpose(-1, -2)  # [..., D_k, C]: key decayed to the chunk end
+    eye = torch.eye(d_k, dtype=acc, device=q.device)
+    trans = last.exp()[..., None] * eye - k_out @ w.to(acc)  # [..., D_k, D_k]; the state recurrence stays in acc
+    rhs = k_out @ u.to(acc)  # [..., D_k, D_v]
+    qd = q * cum.exp()[..., None]  # [..., C, D_k]
+    return qd, attn, u, w, trans, rhs
+
+
+def _chunk_output(qd, attn, u, w, states, mm: torch.dtype):
+    """Outputs of every chunk from the states entering them (states [..., D_k, D_v]); see `_chunk_prepare`."""
+    acc = qd.dtype
+    s = states.to(mm)
+    delta = u.to(acc) - (w @ s).to(acc)  # [..., C, D_v]: the delta rule's corrected values
+    return (qd.to(mm) @ s).to(acc) + (attn.to(mm) @ delta.to(mm)).to(acc)  # [..., C, D_v]
+
+
+class _ChunkScan(torch.autograd.Function):
+    """states[0] = state, states[i + 1] = trans[i] @ states[i] + rhs[i]: the only sequential part, one batched
+    matmul per chunk. The backward is the reverse scan lam_i = grad_i + trans_i^T lam_{i+1} (one matmul per
+    chunk), then d trans_i = lam_{i+1} states_i^T in one batched matmul; states are kept once, not per step."""
+
+    @staticmethod
+    def forward(ctx, trans, rhs, state):  # trans [NC, M, D_k, D_k], rhs [NC, M, D_k, D_v], state [M, D_k, D_v]
+        states = state.new_empty((trans.shape[0] + 1, *state.shape))  # [NC + 1, M, D_k, D_v]
+        states[0] = state
+        for i in range(trans.shape[0]):
+            torch.baddbmm(rhs[i], trans[i], states[i], out=states[i + 1])
+        ctx.save_for_backward(trans, states)
+        return states
+
+    @staticmethod
+    def backward(ctx, grad_states):
+        trans, states = ctx.saved_tensors
+        lam = torch.empty_like(states)  # dL/d states[i], all paths
+        lam[-1] = grad_states[-1]
+        for i in reversed(range(trans.shape[0])):
+            torch.baddbmm(grad_states[i], trans[i].transpose(-1, -2), lam[i + 1], out=lam[i])
+        grad_trans = lam[1:] @ states[:-1].transpose(-1, -2)
+        return grad_trans, lam[1:], lam[0]
+
+
+def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = CHUNK, initial_state=None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                           matmul_dtype: torch.dtype | None = None, **_):
+    """The chunked gated delta rule in torch (the signature of transformers' / FLA's padded call).
+
+    query/key [B, T, H, D_k], value [B, T, H, D_v], g (log decay, <= 0) / beta [B, T, H], initial_state
+    [B, H, D_k, D_v] or None; returns (output [B, T, H, D_v] in query's dtype, final state [B, H, D_k, D_v] in
+    fp32 or None). T needs no particular length (zero g/beta padding to a chunk multiple is exact). Decays, the
+    triangular inverse and the state recurrence are computed in fp32 (fp64 for fp64 inputs); the batched
+    intra-chunk and state-read matmuls take `matmul_dtype` operands: by default bf16 for bf16 inputs (as FLA's
+    kernels do; fp32 accumulation), else fp32.
+    """
+    acc = _accumulation_dtype(query, key, value, initial_state)
+    mm = matmul_dtype or (torch.bfloat16 if query.dtype == torch.bfloat16 else acc)
+    batch, length, heads, d_k = key.shape
+    d_v = value.shape[-1]
+    n_chunks = -(-length // chunk_size)
+    pad = n_chunks * chunk_size - length
+
+    def chunked(x):  # [B, T, H, ...] -> [NC, B, H, C, ...] contiguous, in acc
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        x = x.reshape(batch, n_chunks, chunk_size, heads, *x.shape[3:])
+        return x.permute(1, 0, 3, 2, *range(4, x.dim())).to(acc, memory_format=torch.contiguous_format)
+
+    q, k, v, g, beta = (chunked(t) for t in (query, key, value, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q * d_k ** -0.5
+    qd, attn, u, w, trans, rhs = _chunk_prepare(q, k, v, g, beta, mm)
+    state = (torch.zeros(batch * heads, d_k, d_v, dtype=acc, device=q.device) if initial_state is None
+             else initial_state.to(acc).reshape(batch * heads, d_k, d_v))
+    states = _ChunkScan.apply(trans.reshape(n_chunks, batch * heads, d_k, d_k),
+                              rhs.reshape(n_chunks, batch * heads, d_k, d_v), state)  # [NC + 1, B H, D_k, D_v]
+    out = _chunk_output(qd, attn, u, w, states[:-1].reshape(n_chunks, batch, heads, d_k, d_v), mm)  # [NC,B,H,C,Dv]
+    out = out.to(query.dtype).permute(1, 0, 3, 2, 4).reshape(batch, n_chunks * chunk_size, heads, d_v)
+    final = states[-1].reshape(batch, heads, d_k, d_v) if output_final_state else None
+    return out[:, :length], final
+
+
+def compile_chunk_regions(**compile_kwargs) -> None:
+    """torch.compile the state-independent regions of `chunk_gated_delta_rule` (`_chunk_prepare`, `_chunk_output`:
+    their elementwise work fuses; the chunk loop stays eager). dynamic=True by default: rows change length."""
+    global _chunk_prepare, _chunk_output
+    compile_kwargs.setdefault("dynamic", True)
+    if not hasattr(_chunk_prepare, "_grpo_compiled"):
+        _chunk_prepare = torch.compile(_chunk_prepare, **compile_kwargs)
+        _chunk_prepare._grpo_compiled = True
+        _chunk_output = torch.compile(_chunk_output, **compile_kwargs)
+        _chunk_output._grpo_compiled = True
+
+
+# ------------------------------------------------------------------------------------------------ tree drivers
+
 def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
-    """Chunked gated delta rule over a segment tree, one `chunk_rule` call per level.
+    """A padded-batch gated delta rule over a segment tree, one `chunk_rule` call per level.
 
     query/key [N, H, D_k], value [N, H, D_v], g/beta [N, H] (heads already repeated to the value heads);
-    returns [N, H, D_v]. `chunk_rule` has the signature of transformers' `torch_chunk_gated_delta_rule` (the
-    model module's binding, which is FLA's kernel when `fla` is installed).
+    returns [N, H, D_v]. `chunk_rule` has the signature of `chunk_gated_delta_rule` (this module's torch kernel in
+    the trainer; `sequential_gated_delta_rule` or another padded kernel in tests).
     """
     padded = [F.pad(t, (0, 0) * (t.dim() - 1) + (0, 1)) for t in (query, key, value, g, beta)]  # zero row N
     outputs, final_states = [], None
@@ -170,7 +381,7 @@ def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: Tr
         initial_state = None if level.parent_slot is None else final_states[level.parent_slot]  # [B, H, D_k, D_v]
         out_l, final_states = chunk_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
-        outputs.append(out_l[level.valid])  # [n_level, H, D_v]
+        outputs.append(out_l.flatten(0, 1)[level.valid_index])  # [n_level, H, D_v]
     return torch.cat(outputs)[plan.unpermute]  # [N, H, D_v]
 
 
@@ -191,61 +402,147 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: 
     return torch.cat(outputs)[plan.unpermute]  # [N, H, D_v]
 
 
-def varlen_kernel(choice: str, device: torch.device):
-    """FLA's varlen chunked gated delta rule when `choice` allows it, else None (the padded per-level path through
-    transformers' torch kernel). "fla": required (errors name the fix); "auto": on CUDA when `fla` imports AND a
-    64-token forward + backward probe runs on this device (FLA refuses some Triton/GPU pairs, e.g. Triton < 3.7.1
-    on Hopper for the gated backward): the reason is logged once and the torch path is used."""
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
-        return None
-    if (device.type, choice) in _KERNEL_CHOICE:
-        return _KERNEL_CHOICE[(device.type, choice)]
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError as exc:
+# ------------------------------------------------------------------------------------------------ kernel choice
+
+FLA_BAD_BACKWARD_TRITON = ("3.4.0", "3.7.1")
+"""[low, high) Triton versions with which FLA's gated chunk backward is wrong on Hopper (FLA raises there)."""
+
+
+def fla_directions(triton_version: str | None, capability: tuple[int, int] | None) -> tuple[bool, bool, str]:
+    """(forward_ok, backward_ok, reason): whether FLA's gated delta-rule kernels compute correct results with
+    Triton `triton_version` on a CUDA device of compute `capability` (None: no Triton / no CUDA device).
+
+    FLA's forward kernels are correct wherever Triton runs. Its gated chunk backward (`chunk_bwd_dqkwg`) gives
+    wrong results with Triton >= 3.4.0, < 3.7.1 on Hopper (compute capability 9.x) and FLA raises there; FLA's
+    alternative for that case, a tilelang backend, needs a working nvcc at run time and is not relied on here.
+    """
+    from packaging.version import Version
+
+    if capability is None:
+        return False, False, "FLA's kernels need a CUDA device"
+    if triton_version is None:
+        return False, False, "FLA's kernels need Triton (not installed)"
+    low, high = FLA_BAD_BACKWARD_TRITON
+    if capability[0] == 9 and Version(low) <= Version(triton_version) < Version(high):
+        return True, False, (f"FLA's gated chunk backward is wrong with Triton {triton_version} on Hopper "
+                             f"(sm_{capability[0]}{capability[1]}); Triton >= {high} fixes it")
+    return True, True, f"FLA accepts Triton {triton_version} on sm_{capability[0]}{capability[1]}"
+
+
+@dataclass(frozen=True)
+class GdnKernels:
+    """The recurrence's kernel per direction: "fla" (varlen Triton) or "torch" (`chunk_gated_delta_rule`).
+
+    `forward` serves forwards that need no gradient; a forward that needs gradients runs on the `backward`
+    kernel (a backward differentiates its own forward), so (fla, torch) means: FLA under no_grad, torch in
+    training. (torch, fla) never occurs."""
+
+    forward: str
+    backward: str
+    reason: str
+
+    def for_forward(self, needs_grad: bool) -> str:
+        return self.backward if needs_grad else self.forward
+
+    def describe(self) -> str:
+        names = {"fla": "fla varlen", "torch": "torch chunked"}
+        if self.forward == self.backward:
+            fwd = names[self.forward]
+        else:
+            fwd = f"{names[self.forward]} (no-grad forwards), {names[self.backward]} (forwards that need gradients)"
+        bwd = names[self.backward] + (" (autograd)" if self.backward == "torch" else "")
+        return f"forward {fwd}; backward {bwd} ({self.reason})"
+
+
+def choose_gdn_kernels(choice: str, device_type: str, fla_importable: bool, triton_version: str | None,
+                       capability: tuple[int, int] | None) -> GdnKernels:
+    """The kernel rule (`--gdn-kernel`), with the facts it reads as inputs (so the matrix is testable on CPU).
+
+    torch: torch both ways, whatever is installed. auto: FLA in each direction `fla_directions` accepts when
+    `fla` imports on CUDA, else torch. fla: required (errors name the fix when FLA cannot run at all); a
+    direction FLA computes wrong on this Triton/GPU still runs on torch.
+    """
+    if choice not in ("auto", "fla", "torch"):
+        raise ValueError(f"gdn_kernel must be auto, fla or torch, got {choice!r}")
+    if choice == "torch":
+        return GdnKernels("torch", "torch", "gdn_kernel=torch")
+    if device_type != "cuda":
         if choice == "fla":
-            raise ImportError(f"gdn_kernel='fla' needs flash-linear-attention's kernels: pip install fla-core "
-                              f"({exc})") from exc
-        log.info("Gated DeltaNet: padded torch kernel per trie level (fla not installed: pip install fla-core)")
-        return _KERNEL_CHOICE.setdefault((device.type, choice), None)
-    if choice == "auto":
+            raise ValueError(f"gdn_kernel='fla' needs a CUDA device (got {device_type}); use auto or torch")
+        return GdnKernels("torch", "torch", f"FLA's kernels need CUDA, this is {device_type}")
+    if not fla_importable:
+        if choice == "fla":
+            raise ImportError("gdn_kernel='fla' needs flash-linear-attention's kernels: pip install fla-core")
+        return GdnKernels("torch", "torch", "fla not installed: pip install fla-core")
+    forward_ok, backward_ok, reason = fla_directions(triton_version, capability)
+    if not forward_ok and choice == "fla":
+        raise RuntimeError(f"gdn_kernel='fla': {reason}")
+    return GdnKernels("fla" if forward_ok else "torch", "fla" if forward_ok and backward_ok else "torch", reason)
+
+
+_KERNEL_CHOICE: dict = {}  # (device type, device index, choice) -> (GdnKernels, FLA's varlen rule or None)
+
+
+def gdn_kernels(choice: str, device: torch.device):
+    """(GdnKernels, FLA's varlen rule or None) for `choice` on `device`: `choose_gdn_kernels` on this machine's
+    facts; with auto, FLA's directions must also pass a small probe (a failure moves them to torch). Decided
+    once per device and choice, and logged once (INFO: which kernel runs forward and backward, and why)."""
+    key = (device.type, device.index, choice)
+    if key in _KERNEL_CHOICE:
+        return _KERNEL_CHOICE[key]
+    fla_rule, import_error, triton_version, capability = None, None, None, None
+    if choice != "torch" and device.type == "cuda":
         try:
-            _probe(chunk_gated_delta_rule, device)
-        except Exception as exc:  # noqa: BLE001 - any kernel failure means: use the torch path
-            log.warning("Gated DeltaNet: FLA's varlen kernel fails on this device (%s: %s); using the padded torch "
-                        "kernel per trie level", type(exc).__name__, str(exc).splitlines()[0][:300])
-            return _KERNEL_CHOICE.setdefault((device.type, choice), None)
-        log.info("Gated DeltaNet: FLA varlen kernel per trie level")
-    return _KERNEL_CHOICE.setdefault((device.type, choice), chunk_gated_delta_rule)
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+        except ImportError as exc:
+            import_error = exc
+        try:
+            import triton
 
-
-_KERNEL_CHOICE: dict = {}
-
-
-def _probe(rule, device: torch.device) -> None:
-    """Forward + backward of a two-segment varlen call with an initial state, as the tree path makes it. FLA's
-    own refusal of Triton < 3.7.1 on Hopper (wrong gated backward there) is read first: compiling the probe's
-    kernels costs about a minute."""
-    import importlib
-    import importlib.util
-
+            triton_version = triton.__version__
+        except ImportError:
+            pass
+        capability = tuple(torch.cuda.get_device_capability(device))
     try:
-        flags = importlib.import_module("fla.ops.common.chunk_o")
-    except ImportError:
-        flags = None
-    if (getattr(flags, "IS_NVIDIA_HOPPER", False) and getattr(flags, "TRITON_ABOVE_3_4_0", False)
-            and not getattr(flags, "TRITON_ABOVE_3_7_1", True) and importlib.util.find_spec("tilelang") is None):
-        raise RuntimeError("FLA refuses its gated backward with Triton >= 3.4, < 3.7.1 on Hopper (wrong results); "
-                           "install triton >= 3.7.1 or tilelang")
+        kernels = choose_gdn_kernels(choice, device.type, fla_rule is not None, triton_version, capability)
+    except ImportError as exc:
+        raise ImportError(f"{exc} ({import_error})") from import_error
+    if choice == "auto" and kernels.forward == "fla":
+        try:
+            _probe(fla_rule, device, backward=kernels.backward == "fla")
+        except Exception as exc:  # noqa: BLE001 - any kernel failure means: use the torch path
+            failed = f"FLA's kernel failed a probe ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            kernels = (GdnKernels("fla", "torch", f"{kernels.reason}; backward: {failed}")
+                       if kernels.backward == "fla" and _forward_probe_passes(fla_rule, device)
+                       else GdnKernels("torch", "torch", failed))
+    log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
+    _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
+    return _KERNEL_CHOICE[key]
+
+
+def _forward_probe_passes(rule, device: torch.device) -> bool:
+    try:
+        _probe(rule, device, backward=False)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _probe(rule, device: torch.device, backward: bool) -> None:
+    """A two-segment varlen call with an initial state, as the tree path makes it; forward only under no_grad,
+    else forward + backward."""
     n, h, d = 64, 2, 64
-    q, k, v = (torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = (-torch.rand(1, n, h, device=device) * 0.1).requires_grad_()
-    beta = torch.rand(1, n, h, device=device, dtype=torch.bfloat16, requires_grad=True)
-    h0 = torch.zeros(2, h, d, d, device=device, requires_grad=True)
-    cu = torch.tensor([0, 40, n], device=device)
-    out, final = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
-                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
-    (out.float().sum() + final.sum()).backward()
+    with torch.set_grad_enabled(backward):
+        q, k, v = (torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=backward)
+                   for _ in range(3))
+        g = (-torch.rand(1, n, h, device=device) * 0.1).requires_grad_(backward)
+        beta = torch.rand(1, n, h, device=device, dtype=torch.bfloat16, requires_grad=backward)
+        h0 = torch.zeros(2, h, d, d, device=device, requires_grad=backward)
+        cu = torch.tensor([0, 40, n], device=device)
+        out, final = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+        if backward:
+            (out.float().sum() + final.sum()).backward()
     torch.cuda.synchronize(device)
 
 
@@ -267,15 +564,15 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     z = layer.in_proj_z(x).reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
     beta = layer.in_proj_b(x).sigmoid()  # [N, H_v]
     g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias)  # [N, H_v]
-    if (varlen_rule := varlen_kernel(getattr(layer, "_tree_gdn_kernel", "auto"), x.device)) is not None:
-        core_attn_out = tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan)
-        core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-        return layer.out_proj(core_attn_out.reshape(1, n_tokens, -1))  # [1, N, hidden]
-    if layer.num_v_heads // layer.num_k_heads > 1:
-        query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
-        key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
-    chunk_rule = sys.modules[type(layer).__module__].torch_chunk_gated_delta_rule
-    core_attn_out = tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan)  # [N, H_v, D_v]
+    kernels, fla_rule = gdn_kernels(getattr(layer, "_tree_gdn_kernel", "auto"), x.device)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
+    if kernels.for_forward(needs_grad) == "fla":
+        core_attn_out = tree_varlen_gated_delta_rule(fla_rule, query, key, value, g, beta, plan)
+    else:
+        if layer.num_v_heads // layer.num_k_heads > 1:
+            query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
+            key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
+        core_attn_out = tree_chunk_gated_delta_rule(chunk_gated_delta_rule, query, key, value, g, beta, plan)
     core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core_attn_out.reshape(1, n_tokens, -1))  # [1, N, hidden]
 
@@ -292,7 +589,7 @@ def patch_gdn_layers(model, kernel: str = "auto") -> int:
     Works on text and VLM Qwen3.5 models (any module tree). Idempotent; returns the number of GDN layers.
     Outside a packed forward (no active row) the original forward runs unchanged, e.g. for generation.
     Models whose GDN modules have another layout (Qwen3-Next's fused in_proj_qkvz) are rejected by name.
-    `kernel` picks the recurrence's kernel (`varlen_kernel`): auto | fla | torch.
+    `kernel` picks the recurrence's kernels (`gdn_kernels`): auto | fla | torch.
     """
     plan_cache = _RowPlanCache()
     n_layers = 0

@@ -1,9 +1,13 @@
-"""Tree-packed Gated DeltaNet (grpo/gdn.py) against the unpacked transformers layer, sample by sample.
+"""Tree-packed Gated DeltaNet (grpo/gdn.py) against the unpacked transformers layer, sample by sample, and the
+chunked torch kernel against the token-by-token reference.
 
-The reference is transformers' own `Qwen3_5GatedDeltaNet.forward` run on each sample alone; the packed row comes
-from `grpo.trie.pack_samples`. The layer under test gets weights scaled up from the tiny checkpoint's 0.02 init
-and slow decays, so that history (conv taps and recurrent state carried across segment boundaries) visibly
-changes the output: `test_parent_state_matters` checks the comparison would catch a dropped parent state.
+The layer reference is transformers' own `Qwen3_5GatedDeltaNet.forward` run on each sample alone (without `fla`
+installed its recurrence is transformers' torch kernel); the packed row comes from `grpo.trie.pack_samples`. The
+layer under test gets weights scaled up from the tiny checkpoint's 0.02 init and slow decays, so that history
+(conv taps and recurrent state carried across segment boundaries) visibly changes the output:
+`test_parent_state_matters` checks the comparison would catch a dropped parent state. The kernel reference is
+`sequential_gated_delta_rule` in fp64. Kernel choice: the rule's matrix, and a subprocess with a stub `fla`
+(tests/fla_stub, kernels raise) on sys.path proving the torch path never reaches an importable FLA.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import random
 import pytest
 import torch
 
-from grpo.gdn import (conv_index_table, plan_tree_scan, segment_levels, tree_causal_conv1d,
-                      tree_chunk_gated_delta_rule, tree_gdn_forward)
+from grpo.gdn import (CHUNK, GdnKernels, choose_gdn_kernels, chunk_gated_delta_rule, conv_index_table,
+                      fla_directions, plan_tree_scan, segment_levels, sequential_gated_delta_rule, tree_causal_conv1d,
+                      tree_chunk_gated_delta_rule, tree_gdn_forward, unit_lower_inverse)
 from grpo.samples import TrainingSample
 from grpo.trie import pack_samples
 
@@ -154,9 +159,7 @@ def test_tree_conv_gradcheck():
 
 
 def test_levels_bound_sequential_launches(gdn_layer):
-    """One chunked call per segment-tree level, however many segments."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
+    """One chunked call per segment-tree level, however many segments; each level padded to whole chunks."""
     row = pack_samples([_sample(t) for t in multi_level(random.Random(5))])
     depth = max(segment_levels(row.seg_parent.tolist())) + 1
     assert row.num_segments > depth
@@ -164,7 +167,8 @@ def test_levels_bound_sequential_launches(gdn_layer):
 
     def counting_rule(*args, **kwargs):
         calls.append(args[0].shape[0])
-        return torch_chunk_gated_delta_rule(*args, **kwargs)
+        assert args[0].shape[1] % CHUNK == 0
+        return chunk_gated_delta_rule(*args, **kwargs)
 
     plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
     n, h, d = row.num_tokens, gdn_layer.num_v_heads, gdn_layer.head_k_dim
@@ -173,14 +177,11 @@ def test_levels_bound_sequential_launches(gdn_layer):
     assert len(calls) == depth and sum(calls) == row.num_segments
 
 
-@pytest.fixture(scope="module")
-def qwen35_pair(tiny_models):
-    """(unpatched, patched) copies of the tiny Qwen3.5 VLM with weights large enough for logprobs to vary."""
+def qwen35_model(path):
+    """The tiny Qwen3.5 VLM (fp32) with weights large enough for logprobs to vary (deterministic)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from grpo.gdn import patch_gdn_layers
-
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(tiny_models["qwen3_5"], dtype=torch.float32)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.model.language_model.named_parameters():
@@ -189,6 +190,15 @@ def qwen35_pair(tiny_models):
             elif p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
         model.lm_head.weight.mul_(10)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen35_pair(tiny_models):
+    """(unpatched, patched) copies of the tiny Qwen3.5 VLM with weights large enough for logprobs to vary."""
+    from grpo.gdn import patch_gdn_layers
+
+    model = qwen35_model(tiny_models["qwen3_5"])
     patched = copy.deepcopy(model)
     assert patch_gdn_layers(patched) == 3
     assert patch_gdn_layers(patched) == 3  # idempotent
@@ -249,3 +259,285 @@ def test_patched_model_without_row_is_unchanged(qwen35_pair):
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids).logits, reference_model(input_ids=ids).logits,
                                    atol=0, rtol=0)
+
+
+def packed_logprobs_and_grads(model_path, kernel: str) -> dict:
+    """Packed forward + backward of the tiny Qwen3.5 (shared-prompt trie) with `patch_gdn_layers(model, kernel)`:
+    the row's log-probs and each language-model parameter's gradient norm (JSON-able; also run in a subprocess)."""
+    from grpo.gdn import patch_gdn_layers
+
+    model = qwen35_model(model_path)
+    assert patch_gdn_layers(model, kernel) == 3
+    row = pack_samples([_sample(t) for t in shared_prompt(random.Random(7))])
+    logprobs = _packed_logprobs(model, row)
+    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(2))
+    named = list(model.model.language_model.named_parameters())
+    grads = torch.autograd.grad((logprobs * weights).sum(), [p for _, p in named])
+    return {"logprobs": logprobs.tolist(), "grad_norms": {n: float(g.norm()) for (n, _), g in zip(named, grads)}}
+
+
+# ------------------------------------------------------------------ chunked kernel against the sequential reference
+
+KERNEL_SHAPES = {  # (segments B, length T, heads H, D_k, D_v)
+    "one_token": (2, 1, 2, 16, 8),
+    "under_a_chunk": (2, 63, 2, 16, 8),
+    "one_chunk": (1, 64, 3, 16, 16),
+    "chunk_plus_one": (2, 65, 2, 32, 16),
+    "several_chunks": (3, 200, 2, 16, 32),
+}
+
+
+def _kernel_inputs(shape, dtype=torch.float64, seed=0, initial=True):
+    """q, k, v, g, beta, initial state (requires grad): log decays spread over [-2.7, -0.0025]."""
+    b, t, h, d_k, d_v = shape
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, t, h, d_k, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, t, h, d_v, generator=gen, dtype=torch.float64)
+    g = -torch.empty(b, t, h, dtype=torch.float64).uniform_(-6, 1, generator=gen).exp()
+    beta = torch.rand(b, t, h, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(b, h, d_k, d_v, generator=gen, dtype=torch.float64) if initial else None
+    return [None if x is None else x.to(dtype).requires_grad_() for x in (q, k, v, g, beta, h0)]
+
+
+def _outputs_and_grads(rule, inputs, seed=1, **kwargs):
+    """[output, final state, d q, d k, d v, d g, d beta, (d initial state)] of a random weighted loss."""
+    out, final = rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    loss = ((out.double() * torch.randn(out.shape, generator=gen, dtype=torch.float64)).sum()
+            + (final.double() * torch.randn(final.shape, generator=gen, dtype=torch.float64)).sum())
+    grads = torch.autograd.grad(loss, [x for x in inputs if x is not None])
+    return [out, final, *grads]
+
+
+_KERNEL_TERMS = ["output", "final state", "d query", "d key", "d value", "d g", "d beta", "d initial state"]
+
+
+def _assert_all_close_to_scale(got, want, tol):
+    for name, a, b in zip(_KERNEL_TERMS, got, want):
+        _assert_close_to_scale(a.double(), b.double(), name, tol=tol)
+
+
+@pytest.mark.parametrize("initial", [True, False])
+@pytest.mark.parametrize("shape", list(KERNEL_SHAPES))
+def test_chunked_matches_sequential(shape, initial):
+    """Values, final states and gradients of every input: fp64 chunked == fp64 sequential to rounding, and the
+    fp32 chunked kernel (the CPU training path) within fp32 rounding of the fp64 reference."""
+    inputs64 = _kernel_inputs(KERNEL_SHAPES[shape], initial=initial)
+    reference = _outputs_and_grads(sequential_gated_delta_rule, inputs64)
+    _assert_all_close_to_scale(_outputs_and_grads(chunk_gated_delta_rule, inputs64), reference, tol=1e-11)
+    inputs32 = [None if x is None else x.detach().float().requires_grad_() for x in inputs64]
+    _assert_all_close_to_scale(_outputs_and_grads(chunk_gated_delta_rule, inputs32), reference, tol=2e-5)
+
+
+def test_chunked_gradcheck():
+    """Finite differences (fp64, chunk size 4 so that a 10-token call spans three chunks with a ragged end)."""
+    inputs = _kernel_inputs((2, 10, 1, 4, 3))
+
+    def rule(q, k, v, g, beta, h0):
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+
+    assert torch.autograd.gradcheck(rule, tuple(inputs))
+
+
+def test_padded_batch_is_exact():
+    """A batch of segments of lengths 1, 64 and 100 right-padded to 128 with zero q/k/v/g/beta (as a trie level
+    is) equals each segment alone: outputs, final states and gradients (the padding leaves states unchanged)."""
+    lengths, shape = [1, 64, 100], (1, 128, 2, 16, 8)
+    segments = [_kernel_inputs((1, n, 2, 16, 8), seed=i) for i, n in enumerate(lengths)]
+    alone = [_outputs_and_grads(sequential_gated_delta_rule, s, seed=9) for s in segments]
+    batch = []
+    for j in range(5):
+        batch.append(torch.cat([F_pad_time(s[j].detach(), shape[1]) for s in segments]).requires_grad_())
+    batch.append(torch.cat([s[5].detach() for s in segments]).requires_grad_())
+    out, final = chunk_gated_delta_rule(*batch[:5], initial_state=batch[5], output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+    for i, n in enumerate(lengths):
+        _assert_close_to_scale(out[i, :n], alone[i][0][0], "output", tol=1e-11)
+        _assert_close_to_scale(final[i], alone[i][1][0], "final state", tol=1e-11)
+    # gradients: the same per-segment loss weights, summed over the batch
+    gen_losses = []
+    for i, n in enumerate(lengths):
+        gen = torch.Generator().manual_seed(9)
+        gen_losses.append((out[i:i + 1, :n] * torch.randn((1, n, 2, 8), generator=gen, dtype=torch.float64)).sum()
+                          + (final[i:i + 1] * torch.randn((1, 2, 16, 8), generator=gen, dtype=torch.float64)).sum())
+    grads = torch.autograd.grad(sum(gen_losses), batch)
+    for i, n in enumerate(lengths):
+        for j, name in enumerate(_KERNEL_TERMS[2:]):
+            got = grads[j][i, :n] if j < 5 else grads[j][i]
+            _assert_close_to_scale(got, alone[i][2 + j][0], name, tol=1e-11)
+
+
+def F_pad_time(x, length):
+    """[1, n, ...] -> [1, length, ...], zero-padded at the end."""
+    return torch.cat([x, x.new_zeros((1, length - x.shape[1], *x.shape[2:]))], dim=1)
+
+
+def test_unit_lower_inverse():
+    """(I + A)^-1 of strictly lower A against a triangular solve, including the delta rule's worst case for a
+    series expansion (64 identical unit keys, beta = 1: the Neumann terms reach binom(63, 31) ~ 1e18)."""
+    gen = torch.Generator().manual_seed(0)
+    for c in (1, 2, 8, 64):
+        a = (torch.randn(3, c, c, generator=gen, dtype=torch.float64) * 0.5).tril(-1)
+        want = torch.linalg.solve_triangular(torch.eye(c, dtype=a.dtype) + a, torch.eye(c, dtype=a.dtype).expand(3, c, c),
+                                             upper=False)
+        torch.testing.assert_close(unit_lower_inverse(a), want, atol=1e-12, rtol=1e-12)
+    a = torch.ones(64, 64).tril(-1)
+    want = torch.linalg.solve_triangular(torch.eye(64, dtype=torch.float64) + a.double(),
+                                         torch.eye(64, dtype=torch.float64), upper=False)
+    torch.testing.assert_close(unit_lower_inverse(a).double(), want, atol=1e-6, rtol=0)
+
+
+def test_tree_levels_chunked_equal_sequential():
+    """The per-level driver with the chunked kernel == with the sequential one on a several-level trie (fp64:
+    outputs and gradients, parent states carried into children)."""
+    row = pack_samples([_sample(t) for t in multi_level(random.Random(5))])
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+    n, h, d_k, d_v = row.num_tokens, 2, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
+              torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
+              torch.randn(n, h, d_v, generator=gen, dtype=torch.float64),
+              -torch.rand(n, h, generator=gen, dtype=torch.float64) * 0.2,
+              torch.rand(n, h, generator=gen, dtype=torch.float64)]
+    weights = torch.randn(n, h, d_v, generator=gen, dtype=torch.float64)
+    results = []
+    for rule in (chunk_gated_delta_rule, sequential_gated_delta_rule):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        out = tree_chunk_gated_delta_rule(rule, *xs, plan)
+        results.append([out, *torch.autograd.grad((out * weights).sum(), xs)])
+    for name, got, want in zip(["output", "d q", "d k", "d v", "d g", "d beta"], *results):
+        _assert_close_to_scale(got, want, name, tol=1e-11)
+
+
+def test_chunked_bf16_inputs():
+    """bf16 inputs (the GPU training path): bf16 matmul operands, fp32 decays / inverse / state. Against the fp64
+    reference on the same bf16-rounded inputs the error stays at bf16 level; with fp32 operands it is fp32-small,
+    so the only loss is the operands' rounding."""
+    inputs = _kernel_inputs((2, 150, 2, 32, 32), dtype=torch.bfloat16)
+    inputs[3] = inputs[3].detach().float().requires_grad_()  # g arrives in fp32 (computed from A_log.float())
+    inputs[5] = inputs[5].detach().float().requires_grad_()  # parent final states are fp32
+    reference = _outputs_and_grads(sequential_gated_delta_rule,
+                                   [x.detach().double().requires_grad_() for x in inputs])
+    _assert_all_close_to_scale(_outputs_and_grads(chunk_gated_delta_rule, inputs), reference, tol=3e-2)
+    _assert_all_close_to_scale(_outputs_and_grads(chunk_gated_delta_rule, inputs, matmul_dtype=torch.float32),
+                               reference, tol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------------ kernel choice
+
+@pytest.mark.parametrize("triton_version, capability, expected", [
+    ("3.6.0", (9, 0), (True, False)),  # H100/H200 with torch 2.11's Triton: FLA's gated backward is wrong
+    ("3.4.0", (9, 0), (True, False)),
+    ("3.7.0", (9, 0), (True, False)),
+    ("3.7.1", (9, 0), (True, True)),
+    ("3.8.0", (9, 0), (True, True)),
+    ("3.3.1", (9, 0), (True, True)),
+    ("3.6.0", (8, 0), (True, True)),  # A100
+    ("3.6.0", (10, 0), (True, True)),  # Blackwell
+    ("3.6.0", (12, 0), (True, True)),
+    (None, (9, 0), (False, False)),  # no Triton
+    ("3.6.0", None, (False, False)),  # no CUDA device
+])
+def test_fla_directions(triton_version, capability, expected):
+    forward_ok, backward_ok, reason = fla_directions(triton_version, capability)
+    assert (forward_ok, backward_ok) == expected and reason
+
+
+@pytest.mark.parametrize("choice, device, fla, triton_version, capability, expected", [
+    ("torch", "cuda", True, "3.8.0", (9, 0), ("torch", "torch")),  # torch is torch whatever is installed
+    ("torch", "cpu", True, None, None, ("torch", "torch")),
+    ("auto", "cpu", True, None, None, ("torch", "torch")),
+    ("auto", "cuda", False, "3.6.0", (9, 0), ("torch", "torch")),
+    ("auto", "cuda", True, "3.6.0", (9, 0), ("fla", "torch")),  # FLA only where it is correct: forward
+    ("auto", "cuda", True, "3.7.1", (9, 0), ("fla", "fla")),
+    ("auto", "cuda", True, "3.6.0", (8, 0), ("fla", "fla")),
+    ("auto", "cuda", True, None, (9, 0), ("torch", "torch")),
+    ("fla", "cuda", True, "3.6.0", (9, 0), ("fla", "torch")),  # forced, still never the wrong backward
+    ("fla", "cuda", True, "3.8.0", (9, 0), ("fla", "fla")),
+    ("fla", "cpu", True, None, None, ValueError),
+    ("fla", "cuda", False, "3.8.0", (9, 0), ImportError),
+    ("fla", "cuda", True, None, (9, 0), RuntimeError),
+    ("fast", "cuda", True, "3.8.0", (9, 0), ValueError),
+])
+def test_kernel_rule(choice, device, fla, triton_version, capability, expected):
+    if isinstance(expected, type):
+        with pytest.raises(expected):
+            choose_gdn_kernels(choice, device, fla, triton_version, capability)
+        return
+    kernels = choose_gdn_kernels(choice, device, fla, triton_version, capability)
+    assert (kernels.forward, kernels.backward) == expected
+    assert kernels.for_forward(needs_grad=False) == expected[0]
+    assert kernels.for_forward(needs_grad=True) == expected[1]  # a backward differentiates its own forward
+
+
+def test_kernel_choice_logged_once(gdn_layer, monkeypatch, caplog):
+    """One INFO line at first use names the forward and the backward kernel; fla on CPU is refused by name."""
+    import logging
+
+    import grpo.gdn as gdn
+
+    monkeypatch.setattr(gdn, "_KERNEL_CHOICE", {})
+    row = pack_samples([_sample(t) for t in shared_prompt(random.Random(0))])
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, gdn_layer.conv_kernel_size)
+    hidden = torch.randn(1, row.num_tokens, gdn_layer.hidden_size, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="grpo.gdn"):
+        for _ in range(2):
+            tree_gdn_forward(gdn_layer, hidden, plan).sum().backward()
+    lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet recurrence" in r.getMessage()]
+    assert len(lines) == 1 and "forward torch chunked; backward torch chunked" in lines[0], lines
+    assert GdnKernels("fla", "torch", "x").describe().startswith(
+        "forward fla varlen (no-grad forwards), torch chunked (forwards that need gradients); backward torch")
+    monkeypatch.setattr(gdn_layer, "_tree_gdn_kernel", "fla", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        tree_gdn_forward(gdn_layer, hidden, plan)
+
+
+_STUB_SCRIPT = r"""
+import json, logging, sys
+repo, tests, stub, model_path = sys.argv[1:5]
+sys.path[:0] = [stub, repo, tests]
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+import fla
+from fla.ops.gated_delta_rule import StubFLACalled
+assert fla.__file__.startswith(stub), fla.__file__
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5
+x = torch.zeros(1, 4, 1, 8)
+try:
+    modeling_qwen3_5.torch_chunk_gated_delta_rule(x, x, x, g=x[..., 0], beta=x[..., 0])
+except StubFLACalled:
+    pass
+else:
+    raise AssertionError("transformers did not bind its GDN kernel to the importable fla: the test proves nothing")
+import test_gdn
+print("RESULT " + json.dumps({k: test_gdn.packed_logprobs_and_grads(model_path, k) for k in ("torch", "auto")}))
+"""
+
+
+def test_torch_path_never_reaches_importable_fla(tiny_models):
+    """With a stub `fla` importable (kernels raise; transformers binds its Qwen3.5 GDN kernels to it), the
+    tiny Qwen3.5's packed forward + backward with gdn_kernel=torch and =auto (CPU) runs and equals this process's
+    run without the stub. A subprocess, so the stub never enters this interpreter's sys.modules."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", _STUB_SCRIPT, str(tests.parent), str(tests), str(tests / "fla_stub"),
+                           str(tiny_models["qwen3_5"])], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "forward torch chunked; backward torch chunked" in proc.stderr, proc.stderr[-4000:]
+    assert "fla" not in sys.modules  # nothing leaked here
+    stubbed = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    here = packed_logprobs_and_grads(tiny_models["qwen3_5"], "torch")
+    for kernel, result in stubbed.items():
+        torch.testing.assert_close(torch.tensor(result["logprobs"]), torch.tensor(here["logprobs"]),
+                                   atol=1e-6, rtol=1e-6, msg=f"gdn_kernel={kernel}")
+        assert result["grad_norms"].keys() == here["grad_norms"].keys()
+        torch.testing.assert_close(torch.tensor(list(result["grad_norms"].values())),
+                                   torch.tensor(list(here["grad_norms"].values())), atol=1e-6, rtol=1e-5)
