@@ -15,6 +15,7 @@ The worker exits by itself when the trainer process dies (parent-death watchdog)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -140,6 +141,14 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
         raise SystemExit(1) from None
 
 
+def _kill_at_exit(process) -> None:
+    """atexit (runs before multiprocessing's own hook, which joins non-daemon children): a worker the trainer did
+    not stop (an exception unwinding past `stop`) must not keep the trainer's interpreter from exiting."""
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
+
+
 @contextlib.contextmanager
 def _environ(**values: str):
     old = {k: os.environ.get(k) for k in values}
@@ -200,9 +209,14 @@ class RolloutWorker:
         check_picklable(spec.reward_funcs, spec.tools, spec.environment_factory, spec.loop_cls)
         self.shared["heartbeat"].value = time.time()
         with _environ(CUDA_VISIBLE_DEVICES=""):  # the child inherits the environment at spawn: no GPU there
+            # Not a daemon: reward functions, tools and environments may start processes of their own (the
+            # `accuracy` reward runs math-verify in one), which multiprocessing forbids in a daemon. Instead the
+            # worker exits when the trainer dies (parent watchdog), and `_kill_at_exit` stops it before
+            # multiprocessing's exit hook would wait for it.
             self.process = self._ctx.Process(target=_worker_main, args=(spec, self.shared), name="rollout-worker",
-                                             daemon=True)
+                                             daemon=False)
             self.process.start()
+        atexit.register(_kill_at_exit, self.process)
         threading.Thread(target=self._pump, name="rollout-queue-reader", daemon=True).start()
         self.waiting.restart()
 

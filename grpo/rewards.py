@@ -4,14 +4,16 @@ A reward function follows the spec's contract: keyword arguments `prompts`, `com
 lists of message dicts), `completion_ids`, and every dataset column except `prompt`; it returns one float per
 completion, or None where it does not apply. They run in the rollout worker's threads, so they must be picklable
 module-level callables; `accuracy` runs math-verify in a helper process so its timeouts work (signals only work
-in a main thread).
+in a main thread). The worker is not a daemon process, so a reward function may start processes of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,8 +66,19 @@ def _verifier_pool():
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            _verifier = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            _verifier = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_exit_with_parent, initargs=(os.getpid(),))
         return _verifier
+
+
+def _exit_with_parent(parent_pid: int, interval: float = 1.0) -> None:
+    """Verifier-process initializer: exit when the scoring process is gone (killed, it cannot shut us down)."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _restart_verifier(stuck) -> None:
