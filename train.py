@@ -31,7 +31,15 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
 
     from grpo.data import load_prompts, validate_prompts
     from grpo.rewards import check_reward_columns, resolve_reward
-    from grpo.tools import check_tools, environment_gives_reward
+    from grpo.tools import check_environment_names, check_tools, environment_gives_reward
+
+    if config.num_generations < 2:  # else it starts, and every group is dropped for equal rewards
+        raise ValueError(f"--num-generations {config.num_generations}: GRPO needs >= 2 generations per prompt to "
+                         f"compute group advantages (each rollout is scored against its group's mean); set "
+                         f"--num-generations 2 or more (default 8)")
+    if config.env_reset_retries < 0:
+        raise ValueError(f"--env-reset-retries {config.env_reset_retries}: pass 0 (drop the prompt at the first "
+                         f"failing reset()) or more")
 
     if tools is None:
         tools = [resolve_import(path) for path in config.tools]
@@ -61,6 +69,7 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
 
         check_reward_columns(reward_funcs, dataset_columns(train_dataset) - {"prompt"})
     check_tools(tools, environment_factory)
+    check_environment_names(environment_factory, train_dataset)
     check_picklable(reward_funcs, tools, environment_factory, loop_cls)  # they cross into the spawned worker
     return list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls
 

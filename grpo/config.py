@@ -178,6 +178,10 @@ class AsyncGRPOConfig:
     max_dropped_groups_in_a_row: int = 256
     """Stop with a named error after this many groups in a row are dropped at scoring with none kept (rewards all
     equal or all None/NaN: GRPO gets no signal). 0 disables the check."""
+    env_reset_retries: int = 1
+    """Retries of an environment whose reset() (or constructor) raises, each on a fresh instance; when they fail
+    too, the prompt is dropped: counted (`rollout/dropped_env_reset_failed_count`), warned about, and recorded in
+    dropped_prompts.jsonl with reason env_reset_failed. 0 = drop at the first failure."""
 
     # ---- logging & checkpoints -----------------------------------------------------------------------------------
     output_dir: str = "outputs/run"

@@ -1,7 +1,9 @@
 """Prompt datasets: a Hub name, a local json/jsonl/parquet file (or directory), or a built-in synthetic task.
 
 Prompts must be conversational (`prompt` = a list of `{"role", "content"}` messages, spec "Compatibilidad y
-restricciones"); every other column is kept and reaches the reward functions as a keyword argument.
+restricciones"); every other column is kept and reaches the reward functions as a keyword argument. A `content`
+may be a string or a list of text parts (joined into one string before rendering); non-text parts and `None` are
+refused at start, by row (`message_text`).
 `datasets` is imported inside the functions (CLI `--help` stays fast).
 """
 
@@ -72,9 +74,57 @@ def check_conversation(prompt: Any, where: str) -> None:
                          f"dataset.map(lambda row: {{'prompt': [{{'role': 'user', 'content': row['prompt']}}]}})")
     if not isinstance(prompt, list | tuple) or not prompt:
         raise ValueError(f"{where}: `prompt` must be a non-empty list of messages, got {type(prompt).__name__}")
-    for message in prompt:
+    for j, message in enumerate(prompt):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"{where}: every prompt message needs `role` and `content` keys, got {message!r}")
+        message_text(message, f"{where}, message {j}")
+
+
+def message_text(message: dict[str, Any], where: str = "a message") -> str | None:
+    """A message's `content` as the text the chat template renders (ValueError naming `where` and the fix).
+
+    A string is itself. A list of parts (OpenAI / multimodal style, `[{"type": "text", "text": ...}, ...]`) is
+    its text parts joined with nothing between them, as multimodal chat templates render consecutive text parts.
+    This trainer is text-only: a non-text part (image, audio, file) is refused, since dropping it would train on
+    a prompt the dataset did not mean. `None` is refused (templates render it as the text "None"), except in an
+    assistant message that carries `tool_calls`, where it is the OpenAI convention for "no text".
+    """
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            return None
+        raise ValueError(f"{where} (role {message.get('role')!r}): `content` is None, which chat templates render as "
+                         f"the text 'None'; give every message its text (an empty string if it has none), or drop "
+                         f"the message")
+    if isinstance(content, list | tuple):
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"{where}: content part {k} has type {kind!r}; this trainer is text-only (a non-text part cannot "
+                    f"be rendered for the policy nor trained). Keep only text parts, e.g. dataset.map(lambda row: "
+                    f"{{'prompt': [{{**m, 'content': ''.join(p['text'] for p in m['content'] if p['type'] == 'text')}}"
+                    f" for m in row['prompt']]}}), or use a text-only dataset")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"{where}: `content` must be a string or a list of text parts, got {type(content).__name__} "
+                     f"({content!r:.80}); make it a string")
+
+
+def text_messages(prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prompt with every `content` given as text (`message_text`): what the rollouts render and the reward
+    functions see. String contents are left as they are (a message is copied only when it changes)."""
+    out = []
+    for j, message in enumerate(prompt):
+        content = message.get("content")
+        if isinstance(content, str) or (content is None and message.get("tool_calls")):
+            out.append(message)
+        else:
+            out.append({**message, "content": message_text(message, f"prompt message {j}")})
+    return out
 
 
 # ---- built-in synthetic tasks ---------------------------------------------------------------------------------------

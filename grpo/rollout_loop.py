@@ -48,6 +48,7 @@ class AsyncRolloutLoop(RolloutScheduler):
         version = model_version_var.get()
         adapter = f"{self.lora_name}-v{version}" if self.lora_name and version > 0 else None
         num_logprobs = cfg.num_sampler_logprobs  # what the loss declared it needs (SamplerNeeds)
+        await self._check_completion_length()  # warns once when max_completion_length >= max_model_len
         turn = await self.client.generate(
             prompt_ids, max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, num_logprobs=num_logprobs,

@@ -108,19 +108,23 @@ class RolloutGroup:
     model_version: int
     group_id: int
     row_index: int
-    env_rewards: list[tuple[type, float] | None]
+    env_rewards: list[tuple[type, Any] | None]
+    """(environment class, what its get_reward() returned) per rollout; checked and converted at scoring."""
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
     """Total reward per rollout, NaN where no source scored it. Set before compute_advantages()."""
     rollouts: list[Rollout] = field(default_factory=list)
+    nonfinite_rewards: dict[str, list[float]] = field(default_factory=dict)
+    """NaN/±inf values per reward source, scored as None (set by score_group; counted and warned about)."""
 
 
 @dataclass
 class ConsumedGroup:
     """Put on the trainer queue for a prompt that yields no samples, so the trainer counts it toward the epoch and
-    the resume point. reason: "filtered" (filter_prompt said no) or a scoring drop: "equal_rewards",
-    "unscored" (every reward None/NaN), "no_samples" (no rollout produced a trainable token)."""
+    the resume point. reason: "filtered" (filter_prompt said no), "env_reset_failed" (an environment's reset()
+    kept failing after `env_reset_retries` retries), or a scoring drop: "equal_rewards", "unscored" (every reward
+    None/NaN), "no_samples" (no rollout produced a trainable token)."""
 
     group_id: int
     reason: str

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from grpo.config import AsyncGRPOConfig
+from grpo.data import text_messages
 from grpo.flow_control import ConcurrencyCap, TokenAllowance
 from grpo.multiturn import FoldStats, fold_turns
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
@@ -40,12 +41,22 @@ current_server_var: contextvars.ContextVar[Server | None] = contextvars.ContextV
 
 @dataclass
 class _RolloutResult:
-    rollout: Rollout
+    rollout: Rollout | None
+    """None when the environment could not be reset (`reset_error`): nothing was generated."""
     prompt: list[dict[str, Any]]
     samples: list[TrainingSample]
     fold: FoldStats
-    env_reward: tuple[type, float] | None
+    env_reward: tuple[type, Any] | None
     duration_s: float
+    reset_error: EnvResetError | None = None
+
+
+class EnvResetError(RuntimeError):
+    """An environment's reset() (or constructor) raised on every attempt; its prompt is dropped, the run goes on."""
+
+    def __init__(self, env_name: str, attempts: int, cause: BaseException):
+        self.env_name, self.attempts, self.cause = env_name, attempts, cause
+        super().__init__(f"{env_name} reset() failed {attempts} time(s), last with {type(cause).__name__}: {cause}")
 
 
 def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool = True) -> str | None:
@@ -91,6 +102,9 @@ class RolloutScheduler:
         self._envs = EnvironmentPool(environment_factory)
         self._schema_cache: dict[int, dict] = {}
         self._generated_tokens = 0
+        self._nonfinite_seen: dict[str, int] = {}  # reward source -> NaN/±inf values so far (warned once each)
+        self._reset_drops = 0
+        self._length_checked = self._length_warned = False
 
     @property
     def client(self):
@@ -131,20 +145,57 @@ class RolloutScheduler:
     def environment_tools(env: Any) -> list[Callable]:
         return environment_tools(env)
 
+    async def _check_completion_length(self) -> None:
+        """Once per run, before the first request: warn when max_completion_length does not fit under the server's
+        max_model_len. The client clamps every request's max_tokens to the room the prompt leaves (vllm_client
+        `generate`), which would otherwise go unsaid."""
+        limit_of = getattr(self.client, "max_model_len", None)
+        if self._length_checked or limit_of is None:
+            return
+        limit = await limit_of()
+        self._length_checked = True
+        wanted = self.config.max_completion_length
+        if wanted >= limit and not self._length_warned:
+            self._length_warned = True
+            log.warning("max_completion_length=%d does not fit under the vLLM server's max_model_len=%d (%s): every "
+                        "request is clamped to max_model_len - prompt tokens; lower --max-completion-length below %d "
+                        "or restart vLLM with a larger --max-model-len", wanted, limit, self.client.base_url, limit)
+
     # ================================ one rollout, one group ====================================================
+
+    async def _reset_env(self, env_name: str | None, factory: Callable, row: dict[str, Any]) -> tuple[Any, Any]:
+        """(environment, what reset() returned): a pooled instance first; when it raises, up to
+        `env_reset_retries` more attempts, each on a fresh instance (a failed one is discarded, not pooled)."""
+        attempts = 1 + max(int(self.config.env_reset_retries), 0)
+        kwargs = {k: v for k, v in row.items() if k != "environment"}
+        label = _env_label(env_name, factory)
+        for attempt in range(attempts):
+            try:
+                env = self._envs.acquire(env_name, factory) if attempt == 0 else factory()
+                t0 = time.perf_counter()
+                text = await in_pool(self._pool, env.reset, **kwargs)
+                self._push("env/reset_s", time.perf_counter() - t0)
+                return env, text
+            except Exception as exc:
+                if attempt + 1 == attempts:
+                    raise EnvResetError(label, attempts, exc) from exc
+                self._push("env/reset_retry_count", 1)
+                log.warning("%s reset() failed (%s: %s); retrying on a fresh instance (attempt %d of %d)", label,
+                            type(exc).__name__, exc, attempt + 2, attempts)
+        raise AssertionError("unreachable")
 
     async def _run_rollout(self, row: dict[str, Any], group_id: int, version: int) -> _RolloutResult:
         model_version_var.set(version)
         start = time.perf_counter()
-        prompt = list(row.get("prompt") or [])
+        prompt = text_messages(list(row.get("prompt") or []))  # text parts joined (checked at start)
         env_name, factory = self._envs.factory_for(row)
         env, tools = None, list(self.tools)
         try:
             if factory is not None:
-                env = self._envs.acquire(env_name, factory)  # instances are reused, reset between episodes (spec)
-                t0 = time.perf_counter()
-                text = await in_pool(self._pool, env.reset, **{k: v for k, v in row.items() if k != "environment"})
-                self._push("env/reset_s", time.perf_counter() - t0)
+                try:
+                    env, text = await self._reset_env(env_name, factory, row)  # pooled, reset per episode (spec)
+                except EnvResetError as exc:
+                    return _RolloutResult(None, prompt, [], FoldStats(), None, time.perf_counter() - start, exc)
                 if isinstance(text, str):
                     prompt = with_env_prompt(prompt, text)
                 tools += self.environment_tools(env)
@@ -154,7 +205,7 @@ class RolloutScheduler:
                 t0 = time.perf_counter()
                 value = await in_pool(self._pool, env.get_reward)
                 self._push("env/reward_s", time.perf_counter() - t0)
-                env_reward = (type(env), float("nan") if value is None else float(value))
+                env_reward = (type(env), value)  # checked and converted at scoring (named TypeError, NaN/inf rule)
         finally:
             if env is not None:
                 self._envs.release(env_name, env)
@@ -169,8 +220,9 @@ class RolloutScheduler:
             current_server_var.set(server)
             try:
                 result = await self._run_rollout(row, group_id, version)
-                self._push(f"rollout/server{server.index}_rollouts_count", 1)
-                result.rollout.server = server.url
+                if result.rollout is not None:
+                    self._push(f"rollout/server{server.index}_rollouts_count", 1)
+                    result.rollout.server = server.url
                 return result
             except ServerUnreachableError as exc:
                 if exc.base_url != server.client.base_url:
@@ -202,7 +254,12 @@ class RolloutScheduler:
         results: list[_RolloutResult] = list(await asyncio.gather(*tasks))
         has_tools = bool(self.tools) or self.environment_factory is not None
         for r in results:
-            self._metric_items += rollout_metrics(r.rollout, len(r.samples), r.fold, r.duration_s, has_tools)
+            if r.rollout is not None:
+                self._metric_items += rollout_metrics(r.rollout, len(r.samples), r.fold, r.duration_s, has_tools)
+        failed = [r.reset_error for r in results if r.reset_error is not None]
+        if failed:
+            self._drop_unreset_group(group_id, row_index, results, failed)
+            return
         kwargs = {k: [v] * len(results) for k, v in row.items() if k != "prompt"}
         group = RolloutGroup(
             prompts=[r.prompt for r in results], reward_kwargs=kwargs,
@@ -220,6 +277,36 @@ class RolloutScheduler:
         if (blocked := time.perf_counter() - start) > 1e-3:
             self._push("rollout/score_block_s", blocked)
 
+    def _drop_unreset_group(self, group_id: int, row_index: int, results: list[_RolloutResult],
+                            failed: list[EnvResetError]) -> None:
+        """A rollout's environment could not be reset: the prompt is dropped like a scoring drop (a ConsumedGroup
+        with reason env_reset_failed: the trainer counts it, the ledger records it in dropped_prompts.jsonl)."""
+        self._reset_drops += 1
+        first = failed[0]
+        log.warning("dropping prompt %d (row %d, reason env_reset_failed): %d of %d rollouts could not start, %s; "
+                    "%d prompts dropped so far (env_reset_retries=%d)", self.dataset_start_index + group_id,
+                    row_index, len(failed), len(results), first, self._reset_drops, self.config.env_reset_retries,
+                    exc_info=first.cause if self._reset_drops == 1 else None)
+        self.allowance.group_finished(sum(len(s) for r in results for s in r.samples))
+        if self.rollout_buffer is not None:
+            self.rollout_buffer.put(ConsumedGroup(group_id, "env_reset_failed"))
+        self._flush_metrics()
+
+    def _warn_nonfinite(self, group: RolloutGroup) -> None:
+        """One warning per reward source, at its first NaN/±inf (counted in every group's metrics after that)."""
+        for name, values in group.nonfinite_rewards.items():
+            first = name not in self._nonfinite_seen
+            self._nonfinite_seen[name] = self._nonfinite_seen.get(name, 0) + len(values)
+            if first:
+                envs = {env[0].__name__ for env in group.env_rewards if env is not None}
+                source = ("Rollout.reward" if name == "rollout_reward" else f"environment {name}.get_reward()"
+                          if name in envs else f"reward function {name!r}")
+                shown = ", ".join(str(v) for v in values[:4])
+                log.warning("%s returned non-finite rewards (%s) in prompt %d: scored as None (unscored), counted "
+                            "in rewards/nonfinite_count and rewards/%s/nonfinite_count; return None to leave a "
+                            "completion unscored (this warning is shown once per source)", source, shown,
+                            self.dataset_start_index + group.group_id, name)
+
     # ================================ scoring =================================================================
 
     async def _score_forever(self) -> None:
@@ -228,6 +315,8 @@ class RolloutScheduler:
             self._push("rollout/score_wait_s", time.monotonic() - group.queued_at)
             start = time.perf_counter()
             sources = await score_group(group, self.reward_funcs)
+            if group.nonfinite_rewards:
+                self._warn_nonfinite(group)
             # compute_advantages runs for every group; the drop decision looks at rewards only (spec).
             advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
             samples = [s for seq in group.completions_sequences for s in seq]
@@ -402,6 +491,11 @@ class RolloutScheduler:
         clients = [VLLMClient(url, self.model_name, timeout=cfg.vllm_server_timeout,
                               fail_fast_on_refused=len(urls) > 1) for url in urls]
         return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.servers_alive)
+
+
+def _env_label(env_name: str | None, factory: Callable) -> str:
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    return f"environment_factory[{env_name!r}] ({name})" if env_name is not None else f"environment {name}"
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

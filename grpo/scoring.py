@@ -1,8 +1,16 @@
 """Scoring a rollout group: summed rewards (docs/design.md §1) and the group-level metrics logged at scoring.
 
 Reward sources, all weight 1: every reward function (sync ones in threads, async ones awaited, all concurrently),
-an environment's `get_reward()`, and `Rollout.reward`. None becomes NaN; the total is the NaN-sum over sources and
-stays NaN when no source scored the rollout (the rollout is then unscorable).
+an environment's `get_reward()`, and `Rollout.reward`. The total is the NaN-sum over sources and stays NaN when no
+source scored the rollout (the rollout is then unscorable).
+
+What a source may return, per completion: a real number (int, float, bool, a NumPy scalar: anything with
+`__float__` but a string) or None = "not scored". Anything else (a string, even "1.0", a list, a dict) stops the run
+with a TypeError naming the source, the value and its type. A non-finite number (NaN, +inf, -inf) is scored as None
+too, but counted (`rewards/nonfinite_count`, and `rewards/{source}/nonfinite_count`) and warned about by the
+scheduler: an explicit NaN is treated like ±inf, since inside the pipeline NaN is how "unscored" is stored and an
+infinite reward would turn the whole group's advantages (and the loss) into NaN. Return None to leave a completion
+unscored without a warning.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,16 +41,43 @@ def reward_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _as_rewards(values: Any, n: int, name: str) -> np.ndarray:
+def _reward_value(value: Any, source: str, index: int) -> float | None:
+    """One reward as a float (None stays None); a TypeError naming the source when it is not a number."""
+    if value is None:
+        return None
+    if not isinstance(value, str | bytes) and hasattr(type(value), "__float__"):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"{source} returned {value!r:.100} ({type(value).__name__}) for completion {index}: rewards "
+                    f"must be numbers; make it return floats or None (None = not scored)")
+
+
+def _as_rewards(values: Any, n: int, source: str) -> tuple[np.ndarray, list[float]]:
+    """(rewards [G], the non-finite values found): None and NaN/±inf become NaN (unscored)."""
+    if isinstance(values, str | bytes | dict) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{source} returned {values!r:.100} ({type(values).__name__}) for {n} completions; make it "
+                        f"return a list with one float (or None) per completion")
     values = list(values)
     if len(values) != n:
-        raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {n} completions; "
+        raise ValueError(f"{source} returned {len(values)} rewards for {n} completions; "
                          f"return one float (or None) per completion")
-    return np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)  # [G]
+    rewards, nonfinite = np.full(n, np.nan, dtype=np.float64), []  # [G]
+    for i, value in enumerate(values):
+        x = _reward_value(value, source, i)
+        if x is None:
+            continue
+        if math.isfinite(x):
+            rewards[i] = x
+        else:
+            nonfinite.append(x)
+    return rewards, nonfinite
 
 
 async def score_group(group: RolloutGroup, reward_funcs: list[Callable]) -> dict[str, np.ndarray]:
-    """Per-source rewards [G] keyed by source name; sets `group.rewards` to their NaN-aware sum."""
+    """Per-source rewards [G] keyed by source name; sets `group.rewards` to their NaN-aware sum and
+    `group.nonfinite_rewards` to the NaN/±inf values each source returned (scored as None)."""
     n = len(group.completions)
     kwargs = dict(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids,
                   **group.reward_kwargs)
@@ -49,15 +85,21 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable]) -> dict
     calls = [fn(**kwargs) if is_async_callable(fn) else loop.run_in_executor(None, functools.partial(fn, **kwargs))
              for fn in reward_funcs]
     sources: dict[str, np.ndarray] = {}
+    nonfinite: dict[str, list[float]] = {}
+
+    def add(key: str, values, source: str) -> None:
+        sources[key], bad = _as_rewards(values, n, source)
+        if bad:
+            nonfinite[key] = bad
+
     for fn, values in zip(reward_funcs, await asyncio.gather(*calls)):
         name = reward_name(fn)
-        key = name if name not in sources else f"{name}_{len(sources)}"
-        sources[key] = _as_rewards(values, n, name)
+        add(name if name not in sources else f"{name}_{len(sources)}", values, f"reward function {name!r}")
     for cls in {env[0] for env in group.env_rewards if env is not None}:
-        sources[cls.__name__] = np.array([env[1] if env is not None and env[0] is cls else np.nan
-                                          for env in group.env_rewards], dtype=np.float64)
+        add(cls.__name__, [env[1] if env is not None and env[0] is cls else None for env in group.env_rewards],
+            f"environment {cls.__name__}.get_reward()")
     if any(r is not None for r in group.rollout_rewards):
-        sources["rollout_reward"] = _as_rewards(group.rollout_rewards, n, "Rollout.reward")
+        add("rollout_reward", group.rollout_rewards, "Rollout.reward (set by generate_one)")
     if sources:
         stacked = np.stack(list(sources.values()))  # [S, G]
         scored = ~np.isnan(stacked).all(axis=0)
@@ -65,6 +107,7 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable]) -> dict
     else:
         total = np.full(n, np.nan)
     group.rewards = total
+    group.nonfinite_rewards = nonfinite
     return sources
 
 
@@ -125,6 +168,9 @@ def group_metrics(group: RolloutGroup, sources: dict[str, np.ndarray], kept: boo
             items += [("completions/mean_terminated_length", length), ("completions/min_terminated_length", length),
                       ("completions/max_terminated_length", length)]
     items.append(("completions/duplicate_frac", (duplicate_count(group), len(group.rollouts))))
+    bad = getattr(group, "nonfinite_rewards", None) or {}
+    items.append(("rewards/nonfinite_count", sum(len(v) for v in bad.values())))  # 0 too: "none" stays visible
+    items += [(f"rewards/{name}/nonfinite_count", len(values)) for name, values in bad.items()]
     return items
 
 

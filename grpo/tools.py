@@ -65,6 +65,49 @@ def check_tools(tools=(), environment_factory=None) -> None:
             tool_schema(raw.__get__(object()) if inspect.isfunction(raw) else getattr(factory, name))
 
 
+def check_environment_names(environment_factory, dataset) -> None:
+    """At start, in the trainer: with a dict `environment_factory`, every row's `environment` value must be one of
+    its keys (the worker would otherwise find the first bad row only after the model loaded)."""
+    if not isinstance(environment_factory, dict):
+        return
+    available = sorted(environment_factory, key=str)
+    if dataset is None:
+        raise ValueError(f"environment_factory is a dict ({available}): each row picks its environment by the "
+                         f"dataset's `environment` column, but there is no dataset; pass a dataset with that column, "
+                         f"or pass one environment class")
+    if hasattr(dataset, "column_names"):
+        names = dataset["environment"] if "environment" in dataset.column_names else [None] * len(dataset)
+    else:
+        names = [row.get("environment") if isinstance(row, dict) else None for row in dataset]
+    missing: dict[Any, int] = {}  # name -> first row
+    for index, name in enumerate(names):
+        try:
+            known = name in environment_factory
+        except TypeError:  # an unhashable value
+            known = False
+        if not known:
+            missing.setdefault(name if _hashable(name) else repr(name), index)
+    if not missing:
+        return
+    if list(missing) == [None]:
+        raise ValueError(f"environment_factory is a dict ({available}) but the dataset has no `environment` column "
+                         f"(or it is empty from row {missing[None]}); add an `environment` column naming one of "
+                         f"{available} per row, or pass one environment class")
+    shown = ", ".join(f"{name!r} (first at row {row})" for name, row in list(missing.items())[:10])
+    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+    raise ValueError(f"the dataset's `environment` column names environments that environment_factory does not "
+                     f"have: {shown}{more}; available: {available}. Rename them in the dataset or add them to "
+                     f"environment_factory")
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def environment_gives_reward(environment_factory) -> bool:
     return any(callable(getattr(f, "get_reward", None)) for _, f in _environment_classes(environment_factory))
 

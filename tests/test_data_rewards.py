@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from grpo.data import builtin_dataset, load_prompts
+from grpo.data import builtin_dataset, load_prompts, message_text, text_messages, validate_prompts
 from grpo.rewards import REWARDS, accuracy_reward, format_reward, letters_reward, resolve_reward
 
 ROWS = [
@@ -59,6 +59,23 @@ def test_missing_prompt_column_and_bad_messages(tmp_path):
     (tmp_path / "prompts.txt").write_text("What is 2 + 3?\n")
     with pytest.raises(ValueError, match="unsupported dataset file"):
         load_prompts(str(tmp_path / "prompts.txt"))
+
+
+def test_message_content_text_parts_none_and_non_text():
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b", "image": None}]}
+    assert message_text(parts) == "ab"  # joined with nothing between, as multimodal templates render them
+    plain = {"role": "user", "content": "x"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    out = text_messages([plain, parts, call])
+    assert out[0] is plain and out[1]["content"] == "ab" and out[2] is call and parts["content"][0]["text"] == "a"
+    validate_prompts([{"prompt": [plain, parts, call]}])  # all three are fine at start
+    with pytest.raises(ValueError, match=r"rows row 0, message 1 \(role 'user'\): `content` is None"):
+        validate_prompts([{"prompt": [plain, {"role": "user", "content": None}]}], "rows")
+    with pytest.raises(ValueError, match=r"row 1, message 0: content part 1 has type 'image'; this trainer is text"):
+        validate_prompts([{"prompt": [plain]}, {"prompt": [{"role": "user", "content": [
+            {"type": "text", "text": "see"}, {"type": "image", "image": "cat.png"}]}]}])
+    with pytest.raises(ValueError, match="must be a string or a list of text parts, got int"):
+        message_text({"role": "user", "content": 3})
 
 
 def test_builtin_task_dataset_and_registry_reward_pair():

@@ -111,6 +111,38 @@ def test_env_and_rollout_rewards_are_sources():
     np.testing.assert_array_equal(group.rewards, [1.0, 5.0, 0.0])
 
 
+def test_nonfinite_rewards_are_unscored_and_counted_by_source():
+    """NaN / +inf / -inf from any source are scored as None and listed per source; None is not counted."""
+    class Env:
+        pass
+
+    group = fake_group([[0, 0, 0, 0]], env=[(Env, np.inf), (Env, 1), (Env, None), (Env, np.float32(2.0))],
+                       rollout_rewards=[None, float("nan"), None, None])
+    sources = asyncio.run(score_group(group, [Fixed([-np.inf, 1.0, None, True])]))
+    np.testing.assert_array_equal(group.rewards, [np.nan, 2.0, np.nan, 3.0])
+    np.testing.assert_array_equal(sources["Fixed"], [np.nan, 1.0, np.nan, 1.0])
+    assert group.nonfinite_rewards.keys() == {"Fixed", "Env", "rollout_reward"}  # NaN != NaN: compared by key
+    assert group.nonfinite_rewards["Fixed"] == [-np.inf] and group.nonfinite_rewards["Env"] == [np.inf]
+    w = MetricsWindow()
+    w.extend(group_metrics(group, sources, kept=True, eos_token_ids={2}))
+    out = w.reduce()
+    assert out["rewards/nonfinite_count"] == 3 and out["rewards/Env/nonfinite_count"] == 1
+
+
+def scalar_reward(completions, **kwargs):
+    return 1.0
+
+
+@pytest.mark.parametrize("fn, needle", [
+    (Fixed(["1.0", 1.0, 1.0, 1.0]), "reward function 'Fixed' returned '1.0' (str) for completion 0"),
+    (Fixed([1.0, {"score": 1}, 1.0, 1.0]), "reward function 'Fixed' returned {'score': 1} (dict) for completion 1"),
+    (scalar_reward, "reward function 'scalar_reward' returned 1.0 (float) for 4 completions")])
+def test_non_number_rewards_are_a_type_error_naming_the_function(fn, needle):
+    with pytest.raises(TypeError, match="make it return") as info:
+        asyncio.run(score_group(fake_group([[0, 0, 0, 0]]), [fn]))
+    assert needle in str(info.value)
+
+
 @pytest.mark.parametrize("rewards, kept", [
     ([1.0, 1.0, 1.0, 1.0], False),  # zero std
     ([1.0, np.nan, np.nan, np.nan], False),  # fewer than 2 scorable

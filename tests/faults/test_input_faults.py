@@ -4,6 +4,7 @@ and a pathological math answer."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -16,6 +17,8 @@ import pytest
 
 from conftest import REPO
 from grpo.config import AsyncGRPOConfig
+from grpo.rollout_loop import AsyncRolloutLoop
+from grpo.samples import TurnRecord
 
 from .harness import named_error, within
 
@@ -92,13 +95,65 @@ BAD_INPUTS = {
     "reward_column_missing": (dict(reward_funcs=[judge_reward], train_dataset=[{"prompt": PROMPT}]), "judge_label"),
     "accuracy_without_solution": (dict(config=AsyncGRPOConfig(reward_funcs=("accuracy",)),
                                        train_dataset=[{"prompt": PROMPT}]), "solution"),
+    # issue 19: each of these used to start and train on a repr, or fail only in the worker after the model loaded
+    "content_image_part": (dict(train_dataset=[{"prompt": PROMPT}] * 2 + [{"prompt": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}]),
+                           ("row 2", "image_url", "text-only")),
+    "content_none": (dict(train_dataset=[{"prompt": PROMPT}, {"prompt": [{"role": "system", "content": None},
+                                                                         {"role": "user", "content": "Hi."}]}]),
+                     ("row 1", "message 0", "`content` is None")),
+    "one_generation": (dict(config=AsyncGRPOConfig(dataset="builtin:letters", reward_funcs=("letters",),
+                                                   num_generations=1)),
+                       ("--num-generations 1", ">= 2 generations per prompt", "group advantages")),
+    "environment_name_not_in_factory": (
+        dict(config=AsyncGRPOConfig(max_steps=2), environment_factory={"math": ScoredEnv, "code": ScoredEnv},
+             train_dataset=[{"prompt": PROMPT, "environment": "math"}] * 3
+             + [{"prompt": PROMPT, "environment": "maths"}]),
+        ("'maths'", "row 3", "available", "'code'", "'math'")),
+    "environment_column_missing": (
+        dict(config=AsyncGRPOConfig(max_steps=2), environment_factory={"math": ScoredEnv},
+             train_dataset=[{"prompt": PROMPT}]), ("`environment` column", "'math'")),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_named_at_start(case):
-    kwargs, needle = BAD_INPUTS[case]
-    named_error(60, resolve, needle, expected=(TypeError, ValueError), **kwargs)
+    kwargs, needles = BAD_INPUTS[case]
+    needles = (needles,) if isinstance(needles, str) else needles
+    named_error(60, resolve, *needles, expected=(TypeError, ValueError), **kwargs)
+
+
+class RecordsPrompt(AsyncRolloutLoop):
+    """Scripted turns (no generation): keeps the text each rollout's prompt rendered to."""
+
+    rendered: list[str] = []
+
+    async def generate_one_turn(self, prompt_ids):
+        RecordsPrompt.rendered.append(self.tokenizer.decode(prompt_ids))
+        ids = self.tokenizer.encode(f"ok {len(RecordsPrompt.rendered)}", add_special_tokens=False)
+        return TurnRecord(list(prompt_ids), ids + [self.tokenizer.eos_token_id], [-1.0] * (len(ids) + 1))
+
+
+def test_text_parts_are_rendered_as_their_text(tiny_qwen3):
+    """`content` as a list of text parts (OpenAI / multimodal style) is accepted at start and rendered as the
+    parts' text, joined (it used to be rendered as the list's Python repr), and reward functions see that text."""
+    from transformers import AutoTokenizer
+
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is 3"}, {"type": "text", "text": " + 4?"}]}]
+    rows = [{"prompt": parts}]
+    funcs, dataset, *_ = resolve(train_dataset=rows, reward_funcs=[length_reward])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    config = AsyncGRPOConfig(model=str(tiny_qwen3), vllm_server_base_url="http://127.0.0.1:9", num_generations=2)
+    groups, RecordsPrompt.rendered = [], []
+    loop = RecordsPrompt(config, config.model, dataset, funcs, tokenizer, [tokenizer.eos_token_id],
+                         group_callback=lambda g, adv, kept: groups.append(g))
+    within(60, asyncio.run, loop.run(max_groups=1))
+    expected = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "What is 3 + 4?"}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert RecordsPrompt.rendered == [expected] * 2, RecordsPrompt.rendered
+    assert groups[0].prompts[0][1]["content"] == "What is 3 + 4?"
 
 
 def test_environment_without_reward_funcs_gets_none_injected():
