@@ -203,8 +203,27 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
     return model, policy, optimizer, scheduler, autocast
 
 
-def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None) -> tuple:
-    """Clip, step, zero: (grad_norm before clipping, seconds)."""
+class NonFiniteStepError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+def step_is_finite(grad_norm, losses) -> bool:
+    """True when the gradient norm and every micro-batch loss are finite on every rank (one tiny all-reduce: the
+    ranks must agree, or one would step while another skips)."""
+    import torch
+
+    flag = torch.isfinite(grad_norm.detach().float()).all()
+    for loss in losses:
+        flag = flag & torch.isfinite(loss.float()).all()
+    flag = flag.to(torch.int32).reshape(1)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, losses=()) -> tuple:
+    """Clip, step, zero: (grad_norm before clipping, seconds, stepped). A non-finite loss or gradient norm skips
+    the optimizer and the scheduler (their state and the weights stay as they were) and drops the gradients."""
     import torch
 
     from grpo.model import trainable_parameters
@@ -212,11 +231,30 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None) ->
     params = trainable_parameters(policy)
     timer = StepTimer(params[0].device)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or 1e30)
-    optimizer.step()
-    scheduler.step()
+    stepped = step_is_finite(grad_norm, losses)
+    if stepped:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     timer.mark()
-    return grad_norm, timer.seconds()[0]  # waits for the step's GPU work: the end of a step is a sync point
+    return grad_norm, timer.seconds()[0], stepped  # waits for the step's GPU work: the end of a step is a sync point
+
+
+def check_nonfinite(stepped: bool, step: int, micro: list[dict], grad_norm: float, in_a_row: int,
+                    limit: int) -> int:
+    """Count skipped steps in a row; warn on each, raise NonFiniteStepError at `limit` (0 = never)."""
+    if stepped:
+        return 0
+    in_a_row += 1
+    losses = [m.get("loss") for m in micro]
+    log.warning("step %d skipped: loss %s, grad norm %s are not finite (no optimizer step, no weight sync; %d in a "
+                "row)", step, losses, grad_norm, in_a_row)
+    if limit and in_a_row >= limit:
+        raise NonFiniteStepError(
+            f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: loss {losses}, grad norm "
+            f"{grad_norm}); nothing was synced to the servers. Check the reward functions for NaN/inf, lower "
+            f"--learning-rate, or use --dtype float32 (max_nonfinite_steps_in_a_row={limit})")
+    return in_a_row
 
 
 # ------------------------------------------------------------------------------------------ one micro-batch
@@ -362,6 +400,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     saved_step = state["step"]
     peak = device_peak_flops(info.device)
     step, num_tokens, window = state["step"], 0, []
+    nonfinite_in_a_row = 0
+    sync_due = False
     try:
         while config.max_steps <= 0 or step < config.max_steps:
             t_step = time.perf_counter()
@@ -371,13 +411,18 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             # the last step of the epochs may close fewer micro-batches: they are trained, normalised by their count
             micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, config.loss, info.world_size,
                                        len(plans), autocast, config.max_completion_length) for p in plans]
-            grad_norm, optimizer_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
+            grad_norm, optimizer_s, stepped = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm,
+                                                             [m["loss"] for m in micro])
             micro = resolve_metrics(micro)
             step += 1
+            nonfinite_in_a_row = check_nonfinite(stepped, step, micro, float(grad_norm), nonfinite_in_a_row,
+                                                 config.max_nonfinite_steps_in_a_row)
+            sync_due = sync_due or step % config.weight_sync_steps == 0
             sync_metrics = {}
-            if step % config.weight_sync_steps == 0:
+            if sync_due and stepped:  # a skipped step's sync waits for the next step that trains
                 version += 1
                 sync_metrics = sync.sync(model, version)
+                sync_due = False
             samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
             if info.is_main:
                 worker.set_allowance_from_step(sum(len(s) for s in samples))
@@ -388,6 +433,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                                         sync_metrics, model.config, peak)
             num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
             step_metrics |= {"num_tokens": num_tokens, "grad_norm": float(grad_norm),
+                             "train/skipped_nonfinite_count": float(not stepped),
                              "learning_rate": scheduler.get_last_lr()[0]}
             window.append(step_metrics)
             if step % config.logging_steps == 0:

@@ -45,7 +45,7 @@ def reduction_of(name: str) -> str:
 ALWAYS_LOGGED_COUNTERS = (
     "sample/dropped_stale_count", "batch/dropped_oversize_count", "rollout/dropped_equal_rewards_count",
     "rollout/dropped_unscored_count", "rollout/dropped_no_samples_count", "rollout/dropped_filtered_count",
-    "rollout/vllm_retry_count", "rollout/vllm_metrics_error_count",
+    "rollout/vllm_retry_count", "rollout/vllm_metrics_error_count", "train/skipped_nonfinite_count",
 )
 """Failure and drop counters: present in every logged window (0 when nothing happened)."""
 

@@ -199,7 +199,7 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
             plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
             m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
                                   autocast, config.max_completion_length)
-            _, opt_s = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
+            _, opt_s, _ = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
             m = resolve_metrics([m])[0]
             if cuda:
                 torch.cuda.synchronize()
