@@ -111,8 +111,10 @@ class AsyncGRPOConfig:
     goes whole to one server, every weight version to all of them (docs/design.md, several servers)."""
     vllm_server_timeout: float = 1800.0
     """Seconds for readiness, each generation request (retried on expiry) and each weight-sync call (raises)."""
-    weight_transfer: Literal["auto", "nccl", "cpu_file"] = "auto"
-    """How weights reach the server: NCCL (GPU) or this project's CPU plugin backend; auto = by device."""
+    weight_transfer: Literal["auto", "nccl", "cpu_file", "ipc"] = "auto"
+    """How weights reach the server: NCCL (servers on other GPUs), CUDA IPC (one server on the trainer's own GPU,
+    vLLM's `ipc` backend, loopback URL only), or this project's cpu_file plugin backend (CPU servers). auto =
+    ipc when the server shares the trainer's GPU, else the server's backend; the choice and why are logged."""
 
     # ---- loss & advantages (grpo/losses.py, grpo/advantages.py, docs/losses.md) -------------------------------
     loss: LossOptions = field(default_factory=ScoreCenteringOptions)

@@ -98,7 +98,14 @@ def error_hint(status: int, route: str, message: str) -> str:
     if path.startswith(_DEV_ROUTES) and status == 404:
         return "start the server with VLLM_SERVER_DEV_MODE=1 (the RL/dev routes are hidden without it)"
     if "weight transfer not configured" in lowered:
-        return "start the server with --weight-transfer-config '{\"backend\": \"nccl\"}' (cpu_file on CPU)"
+        return ("start the server with --weight-transfer-config '{\"backend\": \"nccl\"}' (cpu_file on CPU; ipc for "
+                "a trainer on the server's GPU)")
+    if "ipc handle not found for gpu uuid" in lowered:
+        return ("the server runs on another GPU than this trainer: ipc needs both on one GPU (check both processes' "
+                "CUDA_VISIBLE_DEVICES), or use --weight-transfer nccl with the trainer on other GPUs")
+    if "insecure_serialization" in lowered or "refusing to deserialize" in lowered:
+        return ("restart the server with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (ipc handles travel pickled) and "
+                "--host 127.0.0.1")
     if path.startswith("/inference/") and status == 403:
         return "restart the server with --enable-scale-out (needed by /inference/v1/generate)"
     if "does not exist" in lowered and "model" in lowered:
@@ -187,6 +194,10 @@ class VLLMControl(LoraRoutes):
     def world_size(self) -> int:
         """vLLM workers that join a weight-transfer group (TP x PP x DP)."""
         return int(self._request("GET", "/get_world_size").json()["world_size"])
+
+    def version(self) -> str:
+        """The server's vLLM version (`GET /version`)."""
+        return str(self._request("GET", "/version").json()["version"])
 
     def weight_info(self) -> str:
         return str(self._request("GET", "/weight_info").json()["weight_version"])

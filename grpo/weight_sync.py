@@ -11,7 +11,8 @@ the first rollouts are version 1 [TRL]). The caller publishes `version` after `s
     all:    gather one layer group at a time (FSDP2 `full_tensor()`, the same order on every rank)
     rank 0: POST /update_weights with the manifest to every server while broadcasting packed chunks once into one
             NCCL group spanning all their workers (nccl), or with one safetensors file path per server (cpu_file,
-            this project's CPU plugin backend, grpo/vllm_plugin.py)
+            this project's CPU plugin backend, grpo/vllm_plugin.py), or one call per bucket of CUDA-IPC handles
+            to a server on the trainer's own GPU (ipc, vLLM's engine; grpo/ipc_transfer.py)
     rank 0: POST /finish_weight_update {"weight_version": str(version)}  (every server)
     all:    barrier;  rank 0: POST /resume (every server)
 
@@ -56,9 +57,11 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    mode: Literal["nccl", "cpu_file"] = "nccl"
+    mode: Literal["auto", "nccl", "cpu_file", "ipc"] = "nccl"
     """`nccl`: packed NCCL broadcast to the vLLM workers (GPU). `cpu_file`: safetensors file on a shared
-    filesystem, read by the project's vLLM plugin backend (CPU servers)."""
+    filesystem, read by the project's vLLM plugin backend (CPU servers). `ipc`: CUDA-IPC handles to vLLM's `ipc`
+    engine on the trainer's own GPU (loopback URL only). `auto`: decided at `init` from the servers
+    (grpo.ipc_transfer.choose_transfer: ipc on the trainer's GPU, else their backend) and logged."""
     timeout: float = 1800.0
     """Seconds for each HTTP call, the rendezvous and the transfer; past it the sync raises instead of hanging."""
     buffer_size_bytes: int = 1 << 30
@@ -72,6 +75,8 @@ class WeightSyncConfig:
     route to the first server."""
     tmp_dir: str | None = None
     """cpu_file: where the safetensors file goes; None = /dev/shm when present (tmpfs), else the temp dir."""
+    ipc_bucket_bytes: int = 256 << 20
+    """ipc: bytes gathered and shared per /update_weights call (whole parameter groups; a larger group alone)."""
 
 
 # ---- the protocol -----------------------------------------------------------------------------------------------
@@ -151,6 +156,14 @@ class WeightSync:
         self.group = None
         self._group_members: tuple[int, ...] = ()
         self.plan: SendPlan | None = None
+        self.mode = config.mode
+        self.ipc = None  # grpo.ipc_transfer.IpcChannel (rank 0, mode ipc)
+        if config.mode == "ipc":  # refused before anything is sent: the handles travel pickled
+            from grpo.ipc_transfer import require_loopback
+
+            if len(self.urls) != 1:
+                raise ValueError(f"ipc weight transfer serves one vLLM server, got {len(self.urls)}: use nccl")
+            require_loopback(self.urls[0])
         if self.rank == 0:
             from grpo.vllm_client import VLLMControl
 
@@ -169,18 +182,45 @@ class WeightSync:
         if self.adapter is not None:
             self._init_adapter()
             return
-        send_dtype = None
+        send_dtype = infos = None
         if self.rank == 0:
+            infos = {i: self.controls[i].server_info() for i in self.alive()}
             send_dtype = (getattr(torch, self.config.server_dtype) if self.config.server_dtype
-                          else _dtype_from_server_info(self.control.server_info()))
+                          else _dtype_from_server_info(infos[self.alive()[0]]))
+            if self.config.mode in ("auto", "ipc"):
+                self.mode = self._choose_mode(model, infos)
+        self.mode = _broadcast_str(self.mode)
         self.plan = build_plan(model, send_dtype)
         if self.rank == 0:
-            if self.config.mode == "nccl":
+            if self.mode == "nccl":
                 self._init_nccl()
+            elif self.mode == "ipc":
+                from grpo.ipc_transfer import open_channel
+
+                (i,) = self.alive()
+                self.ipc = open_channel(self.controls[i], self._views[0], infos[i], self.plan, model,
+                                        self.config.ipc_bucket_bytes, self.config.timeout)
             else:
                 for i in self.alive():
                     self.controls[i].init_weight_transfer_engine({}, timeout=self.config.timeout)
         _barrier()
+
+    def _choose_mode(self, model: nn.Module, infos: dict) -> str:
+        """Rank 0: `auto` resolved from the servers (or `ipc` validated), with the reason in the log."""
+        from grpo.ipc_transfer import choose_transfer, device_uuid, nvml_uuids, server_view, trainer_visible_device
+
+        on_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        uuid = device_uuid(torch.cuda.current_device()) if on_cuda else None
+        spec = trainer_visible_device(torch.cuda.current_device()) if on_cuda else ""
+        uuids = nvml_uuids() if on_cuda else []
+        self._views = [server_view(self.urls[i], infos[i], self.controls[i].world_size(), uuid, spec, uuids)
+                       for i in self.alive()]
+        choice = choose_transfer(self.config.mode, on_cuda, self._views)
+        if choice.mode == "ipc" and self._views[0].same_gpu is None:
+            log.warning("ipc: cannot tell whether %s runs on this trainer's GPU (%s); vLLM's engine checks the GPU "
+                        "UUID at the first update", self._views[0].url, self._views[0].detail)
+        log.info("weight transfer: %s (%s)", choice.mode, choice.reason)
+        return choice.mode
 
     def _init_nccl(self) -> None:
         """One group over the alive servers' workers (world size read from each server: TP x PP x DP). The workers
@@ -260,8 +300,10 @@ class WeightSync:
             for _ in self.plan.iter_tensors():
                 pass
             return
-        if self.config.mode == "nccl":
+        if self.mode == "nccl":
             self._transfer_nccl(version)
+        elif self.mode == "ipc":
+            self._transfer_ipc(version)
         else:
             self._transfer_file(version)
 
@@ -303,6 +345,23 @@ class WeightSync:
                               drain_before_next=self.plan.has_dtensors)
         for i, thread, result in calls:
             _join(thread, result, self.config.timeout, f"POST {self.urls[i]}/update_weights")
+
+    def _transfer_ipc(self, version: int) -> None:
+        """One server on this GPU: start, one /update_weights per bucket (each answered before the next bucket is
+        gathered), finish. A dead or stuck server fails the HTTP call within the timeout."""
+        (i,) = self.alive()
+        control, started = self.controls[i], False
+        try:
+            control.start_weight_update()
+            started = True
+            self.ipc.send(self.plan)
+            control.finish_weight_update(weight_version=str(version))
+            if self.ipc.device is not None and self.ipc.device.type == "cuda":
+                torch.cuda.ipc_collect()  # the server let go of the last bucket at finish
+        except Exception as exc:
+            if started:
+                _finish_quietly(control)
+            raise self._transfer_error([self.urls[i]], version, exc) from exc
 
     def _transfer_file(self, version: int) -> None:
         """One safetensors file, loaded by each alive server in turn; a server that fails is dropped if others
@@ -374,6 +433,15 @@ class WeightSync:
             self.group = None
         for control in self.controls:
             control.close()
+
+
+def _broadcast_str(value: str) -> str:
+    """Rank 0's value on every rank (the transfer mode rank 0 chose)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _finish_quietly(control) -> None:

@@ -1,0 +1,459 @@
+"""CUDA-IPC weight sync for a trainer on the vLLM server's own GPU, received by vLLM's built-in `ipc` engine.
+
+On one GPU NCCL cannot carry the weights (it refuses two ranks on one device) and `cpu_file` moves every byte
+through host memory twice (a safetensors file in /dev/shm: 1.87 s of a 2.37 s step, Qwen3-0.6B shape on an H200).
+With CUDA IPC the server reads the trainer's device memory directly. One sync, on rank 0, inside weight_sync.py's
+pause -> start -> ... -> finish -> resume:
+
+    for each bucket (consecutive whole parameter groups, about `bucket_bytes`; a larger group travels alone):
+        gather its groups (FSDP2 `full_tensor()` on every rank), cast to the server dtype, copy them into one
+        fresh uint8 CUDA buffer
+        POST /update_weights {names, dtype_names, shapes, ipc_handles_pickled[, tensor_sizes]}
+        the answer means the server has loaded the bucket (vLLM's worker synchronises its device before it
+        returns): drop the buffer
+
+Wire layout, detected once at init from what the server's engine accepts (no version numbers):
+- packed: `/init_weight_transfer_engine {"packed": true}` is accepted (vLLM >= 0.28, where `packed` moved into
+  init_info): one IPC handle for the bucket plus `tensor_sizes`; the engine clones each tensor out of it.
+- per tensor: the engine's init_info takes no `packed` (older engines, e.g. 0.26): init with {} and send one
+  handle per tensor, views of the same bucket buffer (the server maps the buffer once: torch's IPC storage cache).
+  Every engine that accepts `ipc_handles_pickled` reads this layout.
+Each handle is `{gpu_uuid: rebuild_cuda_tensor args}` as `torch.multiprocessing.reductions.reduce_tensor` makes
+them; the engine looks its own device's UUID up in it.
+
+Lifetime: a bucket's buffer is referenced until the server has answered its /update_weights. Buckets end on group
+boundaries, so each of vLLM's layers receives all its weights in one call and its layerwise reload copies them
+before answering. If the server still maps a dropped buffer, torch's CUDA-IPC refcount (Note [CUDA IPC
+Refcounting implementation explained]) keeps the block out of the caching allocator until the server lets go
+(`torch.cuda.ipc_collect()` returns it): memory the server may read is never handed out again. So the trainer
+holds one bucket and one group's gather at a time, never a second copy of the model.
+
+Security: the handles travel as a pickle, which the server unpickles only with VLLM_ALLOW_INSECURE_SERIALIZATION=1:
+anyone who can POST to that server can then run code in it. Bind the server to 127.0.0.1; the trainer refuses ipc
+towards a URL whose host is not loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import logging
+import math
+import os
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import torch
+
+log = logging.getLogger("grpo.ipc_transfer")
+
+BACKEND = "ipc"
+DEFAULT_BUCKET_BYTES = 256 << 20
+CUDA_CONTEXT_BYTES = 1 << 30
+"""The trainer process's CUDA context, cuBLAS/NCCL workspaces: on the GPU but outside the allocator's counts."""
+TRANSFER_BUCKETS = 4
+"""Bucket-sized transients of one sync: trainer staging buffer + gather, server clone + layer materialisation."""
+PER_TENSOR_ALIGN = 256
+"""Byte alignment of each tensor inside a per-tensor-layout buffer (its own handle carries the offset)."""
+
+
+class OneGpuMemoryError(RuntimeError):
+    """The vLLM server's memory share and the trainer's measured peak do not fit on their one GPU."""
+
+
+# ---- where the server runs ------------------------------------------------------------------------------------
+def is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_loopback(url: str) -> None:
+    if not is_loopback(url):
+        raise ValueError(f"ipc weight transfer refused for {url}: the CUDA-IPC handles travel pickled and the server "
+                         "unpickles them (VLLM_ALLOW_INSECURE_SERIALIZATION=1), so it must listen on loopback only. "
+                         "Start it with --host 127.0.0.1 and pass --vllm-server-base-url http://127.0.0.1:PORT")
+
+
+def device_uuid(device: torch.device) -> str:
+    """The key vLLM's ipc engine looks its device up by: `str(get_device_properties(i).uuid)` (no "GPU-")."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def nvml_uuids() -> list[str]:
+    """UUIDs ("GPU-...") of every GPU NVML sees, in NVML order (what vLLM maps CUDA_VISIBLE_DEVICES indices
+    through); [] when NVML is not there. torch's helper is private, so it is feature-detected."""
+    raw = getattr(torch.cuda, "_raw_device_uuid_nvml", None)
+    try:
+        return list(raw() or []) if raw is not None else []
+    except Exception:  # no driver library on this host
+        return []
+
+
+def _norm(uuid: str) -> str:
+    return uuid.strip().lower().removeprefix("gpu-")
+
+
+def server_visible_device(info: dict) -> str | None:
+    """The first entry of the server's CUDA_VISIBLE_DEVICES ("0", "GPU-8f2...", "0" when unset), read from the
+    environment `/server_info` reports (`system_env.env_vars`); None when it reports none."""
+    env_text = (info.get("system_env") or {}).get("env_vars")
+    if not isinstance(env_text, str):
+        return None
+    for line in env_text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "CUDA_VISIBLE_DEVICES":
+            return value.split(",")[0].strip()
+    return "0"
+
+
+def trainer_visible_device(index: int) -> str:
+    """This process's device `index` as CUDA_VISIBLE_DEVICES names it (the physical index or UUID)."""
+    entries = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if entries is None:
+        return str(index)
+    names = [e.strip() for e in entries.split(",")]
+    return names[index] if index < len(names) else str(index)
+
+
+def same_gpu(info: dict, url: str, trainer_uuid: str, trainer_spec: str, uuids: list[str]) -> tuple[bool | None, str]:
+    """Whether the server's (first) worker runs on the trainer's GPU: True / False / None (cannot tell), and why.
+
+    The trainer's UUID is exact; the server's comes from its CUDA_VISIBLE_DEVICES (a UUID, or an index resolved
+    through NVML). Equal visible-device names count only for a loopback URL (same host)."""
+    device = str(((info.get("vllm_config") or {}).get("device_config") or {}).get("device", ""))
+    if device == "cpu":
+        return False, "the server runs on CPU"
+    spec = server_visible_device(info)
+    if spec is None:
+        return None, "its /server_info reports no CUDA_VISIBLE_DEVICES (system_env.env_vars)"
+    if spec == "":
+        return False, "its CUDA_VISIBLE_DEVICES is empty"
+    server_uuid = uuids[int(spec)] if spec.isdigit() and int(spec) < len(uuids) else (
+        spec if spec.lower().startswith("gpu-") else None)
+    if server_uuid is not None:
+        a, b = _norm(server_uuid), _norm(trainer_uuid)
+        return (a.startswith(b) or b.startswith(a)), f"server GPU {server_uuid}, trainer GPU GPU-{trainer_uuid}"
+    if is_loopback(url) and spec == trainer_spec:
+        return True, f"both use device {spec} of this host (CUDA_VISIBLE_DEVICES)"
+    if is_loopback(url) and spec.isdigit() and trainer_spec.isdigit():
+        return False, f"server device {spec}, trainer device {trainer_spec} (CUDA_VISIBLE_DEVICES)"
+    return None, f"its device {spec!r} cannot be resolved to a UUID here (no NVML)"
+
+
+# ---- which transfer -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerView:
+    """What the choice needs to know about one server."""
+
+    url: str
+    backend: str | None
+    """`--weight-transfer-config` backend from /server_info (None: not reported)."""
+    world_size: int
+    same_gpu: bool | None
+    detail: str
+
+
+def server_view(url: str, info: dict, world_size: int, trainer_uuid: str | None, trainer_spec: str,
+                uuids: list[str]) -> ServerView:
+    backend = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
+    if trainer_uuid is None:  # auto never picks ipc for a CPU trainer; an explicit ipc is left to the engine
+        verdict, detail = None, "the trainer is not on a GPU"
+    else:
+        verdict, detail = same_gpu(info, url, trainer_uuid, trainer_spec, uuids)
+    return ServerView(url, backend, world_size, verdict, detail)
+
+
+def check_ipc_servers(servers: list[ServerView]) -> None:
+    """What ipc needs of the server side, whatever chose it; raises ValueError naming the fix."""
+    if len(servers) != 1:
+        raise ValueError(f"ipc weight transfer serves one vLLM server on the trainer's GPU, got {len(servers)}: use "
+                         "nccl for several servers")
+    (server,) = servers
+    require_loopback(server.url)
+    if server.world_size != 1:
+        raise ValueError(f"ipc weight transfer sends to one vLLM worker; {server.url} has {server.world_size} "
+                         "(tensor/pipeline/data parallel): serve with one GPU, or put the trainer on other GPUs and "
+                         "use nccl")
+    if server.backend not in (None, BACKEND):
+        raise ValueError(f"the vLLM server at {server.url} runs the {server.backend!r} weight-transfer backend; ipc "
+                         "needs --weight-transfer-config '{\"backend\": \"ipc\"}' and VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+    if server.same_gpu is False:
+        raise ValueError(f"ipc needs the vLLM server on the trainer's GPU, and {server.url} is not ({server.detail}); "
+                         "use nccl")
+
+
+@dataclass(frozen=True)
+class TransferChoice:
+    mode: str
+    reason: str
+
+
+def choose_transfer(requested: str, trainer_on_cuda: bool, servers: list[ServerView]) -> TransferChoice:
+    """`auto`: ipc when the (one) server runs on the trainer's GPU or was started for ipc; else the servers'
+    backend (nccl / cpu_file), by the trainer's device when they do not say. An explicit mode is validated only
+    for ipc. A same-GPU server on the nccl backend raises: NCCL cannot put two ranks on one GPU."""
+    if requested == BACKEND:
+        check_ipc_servers(servers)
+        return TransferChoice(BACKEND, "asked for (--weight-transfer ipc)")
+    if requested != "auto":
+        return TransferChoice(requested, f"asked for (--weight-transfer {requested})")
+    if not trainer_on_cuda:
+        return TransferChoice("cpu_file", "the trainer runs on CPU")
+    first = servers[0]
+    if first.same_gpu and len(servers) == 1:
+        if first.backend == "cpu_file":
+            return TransferChoice("cpu_file", f"the server shares this GPU ({first.detail}) but serves the cpu_file "
+                                              "backend; restart it with the ipc backend for the fast path")
+        if first.backend in (None, BACKEND):
+            check_ipc_servers(servers)
+            return TransferChoice(BACKEND, f"the server runs on this trainer's GPU ({first.detail})")
+        raise ValueError(f"the vLLM server at {first.url} runs on this trainer's GPU ({first.detail}) with the "
+                         f"{first.backend!r} weight-transfer backend: NCCL cannot put two ranks on one GPU. Restart "
+                         "it with --weight-transfer-config '{\"backend\": \"ipc\"}' and "
+                         "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (or pass --weight-transfer cpu_file)")
+    if any(s.backend == BACKEND for s in servers):
+        check_ipc_servers(servers)  # started for ipc: only a one-server, loopback, one-worker setup makes sense
+        return TransferChoice(BACKEND, f"the server was started with the ipc backend ({first.detail})")
+    if all(s.backend == "cpu_file" for s in servers):
+        return TransferChoice("cpu_file", "the servers serve the cpu_file backend")
+    why = first.detail if len(servers) == 1 else f"{len(servers)} servers"
+    return TransferChoice("nccl", f"the server is not on this trainer's GPU or cannot be told to be ({why})")
+
+
+# ---- one-GPU memory plan --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OneGpuMemoryPlan:
+    """Server and trainer on one GPU fit by construction: vLLM may use `server_fraction` of the whole device
+    (`--gpu-memory-utilization`: its weights, activations and KV cache), the trainer needs its measured peak plus
+    the sync's transients and its CUDA context."""
+
+    total_bytes: int
+    server_fraction: float
+    trainer_peak_bytes: int
+    transfer_bytes: int
+    context_bytes: int = CUDA_CONTEXT_BYTES
+
+    @property
+    def trainer_bytes(self) -> int:
+        return self.trainer_peak_bytes + self.transfer_bytes + self.context_bytes
+
+    @property
+    def max_server_fraction(self) -> float:
+        """The largest --gpu-memory-utilization that still leaves the trainer its share (floored to 0.01)."""
+        return math.floor(100 * (self.total_bytes - self.trainer_bytes) / self.total_bytes) / 100
+
+    def check(self) -> None:
+        server = self.server_fraction * self.total_bytes
+        if server + self.trainer_bytes <= self.total_bytes:
+            return
+        gib = 2**30
+        hint = (f"restart the server with --gpu-memory-utilization {self.max_server_fraction:.2f} or lower"
+                if self.max_server_fraction > 0 else "the trainer alone does not fit beside any server")
+        raise OneGpuMemoryError(
+            f"the vLLM server and the trainer do not fit on their one GPU ({self.total_bytes / gib:.1f} GiB): the "
+            f"server may use gpu_memory_utilization {self.server_fraction:.2f} x {self.total_bytes / gib:.1f} = "
+            f"{server / gib:.1f} GiB and the trainer needs {self.trainer_bytes / gib:.1f} GiB (measured peak "
+            f"{self.trainer_peak_bytes / gib:.1f} GiB + {self.transfer_bytes / gib:.2f} GiB weight-sync buckets + "
+            f"{self.context_bytes / gib:.1f} GiB CUDA context). Fix: {hint}, or shrink the trainer "
+            "(--gradient-checkpointing true, a smaller --token-budget)")
+
+
+def trainer_peak_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """The trainer's footprint so far: the allocator's peak reservation (under --gradient-checkpointing auto that
+    is the worst-case probe micro-batch) plus the AdamW state (2 x fp32 per local trainable element) the first
+    optimizer step still has to allocate (none when a resumed optimizer already holds it)."""
+    def local(p):
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    params = [local(p) for p in model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    adam_bytes = 8 * sum(local(p).numel() for p in model.parameters() if p.requires_grad)
+    already_held = torch.cuda.memory_allocated(device) - param_bytes  # a loaded optimizer state, gradients
+    peak = max(torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device))
+    return int(peak + max(0, adam_bytes - already_held))
+
+
+def server_fraction(info: dict) -> float | None:
+    """vLLM's --gpu-memory-utilization; None when the server sized its KV cache in bytes instead."""
+    cache = (info.get("vllm_config") or {}).get("cache_config") or {}
+    if cache.get("kv_cache_memory_bytes"):
+        return None
+    value = cache.get("gpu_memory_utilization")
+    return float(value) if value is not None else None
+
+
+# ---- buckets and the wire format ------------------------------------------------------------------------------
+def plan_buckets(group_bytes: list[int], bucket_bytes: int) -> list[range]:
+    """Consecutive whole groups per bucket: a bucket closes before the group that would take it past
+    `bucket_bytes`; a group larger than that travels alone. Returns group-index ranges."""
+    buckets, start, total = [], 0, 0
+    for index, size in enumerate(group_bytes):
+        if index > start and total + size > bucket_bytes:
+            buckets.append(range(start, index))
+            start, total = index, 0
+        total += size
+    if start < len(group_bytes):
+        buckets.append(range(start, len(group_bytes)))
+    return buckets
+
+
+def pickle_handles(handles) -> str:
+    """`ipc_handles_pickled`: base64 of the pickled handle dict(s), as vLLM's HTTP clients send them."""
+    return base64.b64encode(pickle.dumps(handles)).decode("ascii")
+
+
+def packed_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]], tensor_sizes: list[int],
+                       handle: dict) -> dict:
+    """One bucket, packed layout: one handle for the buffer, `tensor_sizes` bytes per tensor in order."""
+    return {"names": names, "dtype_names": dtype_names, "shapes": shapes, "tensor_sizes": tensor_sizes,
+            "ipc_handles_pickled": pickle_handles(handle)}
+
+
+def per_tensor_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                           handles: list[dict]) -> dict:
+    """One bucket, per-tensor layout: one handle per tensor."""
+    return {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles_pickled": pickle_handles(handles)}
+
+
+def share_handle(tensor: torch.Tensor) -> tuple:
+    """The `rebuild_cuda_tensor` arguments of a CUDA tensor (what vLLM's engine rebuilds it from)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)[1]
+
+
+def init_engine(control, timeout: float) -> bool:
+    """Open the server's ipc engine; True = packed layout (its init_info takes `packed`), False = per tensor.
+
+    A refused `packed` answers 500 (the worker's init_info dataclass rejects the field; the server lives on). Any
+    refusal but a missing route falls back to {}, so an engine whose error text differs is still detected; a
+    server that refuses {} too raises that second error."""
+    from grpo.vllm_client import VLLMServerError
+
+    try:
+        control.init_weight_transfer_engine({"packed": True}, timeout=timeout)
+        return True
+    except VLLMServerError as exc:
+        if exc.status == 404:  # no dev routes: the fallback cannot help, and the hint says why
+            raise
+        log.info("ipc engine refused init_info {'packed': true} (%s); per-tensor layout", exc.message[:200])
+    control.init_weight_transfer_engine({}, timeout=timeout)
+    return False
+
+
+@dataclass
+class IpcChannel:
+    """Rank 0's sending side of one server's ipc engine (`open` it once, then `send` every sync)."""
+
+    control: object
+    packed: bool
+    uuid: str
+    bucket_bytes: int
+    timeout: float
+    device: torch.device | None
+    buckets_sent: int = 0
+
+    def send(self, plan) -> int:
+        """Every tensor of `plan` in buckets, each POSTed and answered before the next is built. Returns bytes."""
+        from grpo.nccl_broadcast import tensor_nbytes
+
+        manifest = plan.manifest
+        dtypes = [getattr(torch, d) for d in manifest["dtype_names"]]
+        sizes = [tensor_nbytes(s, d) for s, d in zip(manifest["shapes"], dtypes)]
+        starts = [0]
+        for group in plan.groups:
+            starts.append(starts[-1] + len(group.names))
+        group_bytes = [sum(sizes[a:b]) for a, b in zip(starts, starts[1:])]
+        source = plan.iter_tensors(self.device)
+        sent = 0
+        for groups in plan_buckets(group_bytes, self.bucket_bytes):
+            indices = range(starts[groups.start], starts[groups.stop])
+            buffer, offsets = self._fill(source, manifest, indices, sizes, dtypes)
+            self.control.update_weights(self._update_info(buffer, offsets, manifest, indices, sizes, dtypes),
+                                        timeout=self.timeout)
+            sent += buffer.numel()
+            self.buckets_sent += 1
+            del buffer  # the server answered: it has loaded this bucket (see the module docstring on lifetime)
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.ipc_collect()
+        leftover = next(source, None)
+        if leftover is not None:
+            raise ValueError(f"weight source yielded {leftover[0]!r} beyond the manifest's {len(sizes)} entries")
+        return sent
+
+    def _fill(self, source: Iterator, manifest: dict, indices: range, sizes: list[int],
+              dtypes: list[torch.dtype]) -> tuple[torch.Tensor, list[int]]:
+        """Pull the bucket's tensors (this gathers them) into one fresh uint8 buffer: ([bytes], offsets)."""
+        from grpo.nccl_broadcast import _checked_flat
+
+        align = 1 if self.packed else PER_TENSOR_ALIGN  # packed: vLLM cuts tensor_sizes back to back
+        offsets, end = [], 0
+        for i in indices:
+            end = -(-end // align) * align
+            offsets.append(end)
+            end += sizes[i]
+        buffer = torch.empty(end, dtype=torch.uint8, device=self.device)
+        for i, offset in zip(indices, offsets):
+            flat = _checked_flat(next(source, None), manifest, i, dtypes[i])
+            buffer[offset:offset + sizes[i]].copy_(flat)
+            del flat
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+        return buffer, offsets
+
+    def _update_info(self, buffer: torch.Tensor, offsets: list[int], manifest: dict, indices: range,
+                     sizes: list[int], dtypes: list[torch.dtype]) -> dict:
+        names = [manifest["names"][i] for i in indices]
+        dtype_names = [manifest["dtype_names"][i] for i in indices]
+        shapes = [list(manifest["shapes"][i]) for i in indices]
+        if self.packed:
+            return packed_update_info(names, dtype_names, shapes, [sizes[i] for i in indices],
+                                      {self.uuid: share_handle(buffer)})
+        views = [buffer[o:o + sizes[i]].view(dtypes[i]).view(manifest["shapes"][i]) for i, o in zip(indices, offsets)]
+        return per_tensor_update_info(names, dtype_names, shapes, [{self.uuid: share_handle(v)} for v in views])
+
+
+def open_channel(control, view: ServerView, info: dict, plan, model: torch.nn.Module, bucket_bytes: int,
+                 timeout: float) -> IpcChannel:
+    """Rank 0, once: refuse what cannot work (the server's serialization switch, the one-GPU memory plan), open
+    the server's engine and detect its layout."""
+    check_ipc_servers([view])
+    insecure = (info.get("vllm_env") or {}).get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    if insecure is not None and str(insecure).lower() not in ("true", "1"):
+        raise ValueError(f"the vLLM server at {view.url} refuses pickled IPC handles: restart it with "
+                         "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (and --host 127.0.0.1)")
+    from grpo.nccl_broadcast import tensor_nbytes
+
+    manifest = plan.manifest
+    sizes = [tensor_nbytes(s, getattr(torch, d)) for s, d in zip(manifest["shapes"], manifest["dtype_names"])]
+    starts = [0]
+    for group in plan.groups:
+        starts.append(starts[-1] + len(group.names))
+    largest_group = max((sum(sizes[a:b]) for a, b in zip(starts, starts[1:])), default=0)
+    bucket = max(bucket_bytes, largest_group)
+    on_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else None
+    if on_cuda:
+        fraction = server_fraction(info)
+        if fraction is None:
+            log.info("one-GPU memory plan skipped: the server sizes its KV cache in bytes (--kv-cache-memory-bytes)")
+        else:
+            memory = OneGpuMemoryPlan(torch.cuda.mem_get_info(device)[1], fraction,
+                                      trainer_peak_bytes(model, device), TRANSFER_BUCKETS * bucket)
+            memory.check()
+            log.info("one-GPU memory plan: server %.2f x %.1f GiB + trainer %.1f GiB (peak %.1f + sync %.2f + context "
+                     "%.1f) fits", fraction, memory.total_bytes / 2**30, memory.trainer_bytes / 2**30,
+                     memory.trainer_peak_bytes / 2**30, memory.transfer_bytes / 2**30, memory.context_bytes / 2**30)
+    uuid = device_uuid(device) if on_cuda else "cpu"
+    packed = init_engine(control, timeout)
+    log.info("ipc engine of %s: %s layout, buckets of up to %.0f MiB (%d tensors, %.0f MiB per sync)", view.url,
+             "packed (one handle per bucket)" if packed else "per-tensor (its init_info takes no `packed`)",
+             bucket / 2**20, len(sizes), sum(sizes) / 2**20)
+    return IpcChannel(control, packed, uuid, bucket, timeout, device)

@@ -1,0 +1,341 @@
+"""CUDA-IPC weight sync, the parts a CPU can check: the request bodies the real sender builds, parsed by the
+installed vLLM's own ipc engine parser and unpacked by its own `unpack_tensor`; the whole sync protocol against a
+stand-in server (buckets, lifetimes, a server dying mid-transfer); the transfer choice; the one-GPU memory plan.
+The CUDA part (real IPC handles into a second process, a real vLLM server) is tests/test_gpu_ipc.py."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import grpo.ipc_transfer as ipc
+from grpo.ipc_transfer import (OneGpuMemoryError, OneGpuMemoryPlan, ServerView, choose_transfer, is_loopback,
+                               plan_buckets, same_gpu, server_visible_device)
+from grpo.send_plan import build_plan
+from grpo.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+
+GIB = 2**30
+
+
+# ---- a CPU stand-in for CUDA IPC handles ------------------------------------------------------------------------
+class FakeIpc:
+    """`share_handle` for CPU tensors: the same 15 `rebuild_cuda_tensor` arguments torch's reduce_tensor returns
+    (storage handle at 7, the device at 6, which vLLM overwrites), the storage found again by key through a weak
+    reference (torch's own IPC storage cache does the same), so a buffer the trainer freed cannot be read."""
+
+    def __init__(self):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.weak = StorageWeakRef
+        self.storages: dict[bytes, object] = {}
+
+    def share(self, tensor: torch.Tensor) -> tuple:
+        storage = tensor.untyped_storage()
+        key = str(storage.data_ptr()).encode()
+        self.storages[key] = self.weak(storage)
+        return (torch.Tensor, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), torch.UntypedStorage,
+                tensor.dtype, 0, key, storage.nbytes(), 0, False, b"refcounter", 0, b"event", True)
+
+    def rebuild(self, args) -> torch.Tensor:
+        assert len(args) == 15, "rebuild_cuda_tensor takes 15 arguments"
+        ref = self.storages[args[7]]
+        assert not ref.expired(), "the trainer freed a buffer the server was still reading"
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        return torch.empty(0, dtype=args[5]).set_(storage, args[3], args[1], args[2])
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(not ref.expired() for ref in self.storages.values())
+
+
+def vllm_ipc_engine():
+    """The installed vLLM's ipc engine, without a worker (its parsers need no device)."""
+    engine_module = pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
+    return object.__new__(engine_module.IPCWeightTransferEngine)
+
+
+def unpack(update_info, fake: FakeIpc, uuid: str) -> dict[str, torch.Tensor]:
+    """What vLLM's engine does with a parsed update (packed: `packed_ipc_consumer`, else per tensor), on CPU."""
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+    if update_info.tensor_sizes is not None:
+        packed = fake.rebuild(list(update_info.ipc_handles[uuid]))[:sum(update_info.tensor_sizes)]
+        pairs = unpack_tensor(packed, update_info.names, update_info.shapes, dtypes, update_info.tensor_sizes)
+        return {name: t.clone() for name, t in pairs}
+    return {name: fake.rebuild(list(handle[uuid])).clone()
+            for name, handle in zip(update_info.names, update_info.ipc_handles)}
+
+
+def small_model(seed: int = 0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False)
+    return tf.Qwen3ForCausalLM(cfg).eval()
+
+
+# ---- the request body against vLLM's own parser ------------------------------------------------------------------
+@pytest.mark.parametrize("packed", [True, False])
+def test_update_info_is_what_vllms_ipc_engine_parses(monkeypatch, packed):
+    engine = vllm_ipc_engine()
+    fake = FakeIpc()
+    monkeypatch.setattr(ipc, "share_handle", fake.share)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    plan = build_plan(small_model(), torch.bfloat16)
+    channel = ipc.IpcChannel(control=None, packed=packed, uuid="8f2d-uuid", bucket_bytes=1 << 30, timeout=5,
+                             device=None)
+    manifest = plan.manifest
+    dtypes = [getattr(torch, d) for d in manifest["dtype_names"]]
+    sizes = [t.numel() * 2 for _, t in plan.iter_tensors()]
+    indices = range(len(sizes))
+    buffer, offsets = channel._fill(plan.iter_tensors(), manifest, indices, sizes, dtypes)
+    body = json.loads(json.dumps({"update_info": channel._update_info(buffer, offsets, manifest, indices, sizes,
+                                                                       dtypes)}))["update_info"]  # over HTTP
+    assert ("tensor_sizes" in body) == packed and "ipc_handles" not in body and "packed" not in body
+    parsed = engine.parse_update_info(body)
+    assert parsed.names == manifest["names"] and parsed.dtype_names == manifest["dtype_names"]
+    assert parsed.shapes == manifest["shapes"]
+    handles = [parsed.ipc_handles] if packed else parsed.ipc_handles
+    assert all(list(h) == ["8f2d-uuid"] and len(h["8f2d-uuid"]) == 15 for h in handles)
+    received = unpack(parsed, fake, "8f2d-uuid")
+    for name, tensor in plan.iter_tensors():
+        assert received[name].dtype == torch.bfloat16 and torch.equal(received[name], tensor), name
+    # the engine's init parser takes the layout flag of the packed layout
+    assert engine.parse_init_info({"packed": True}).packed is True and engine.parse_init_info({}).packed is False
+
+
+def test_vllm_refuses_pickled_handles_without_the_insecure_switch(monkeypatch):
+    engine = vllm_ipc_engine()
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    body = ipc.packed_update_info(["w"], ["bfloat16"], [[2]], [4], {"u": (1,)})
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        engine.parse_update_info(body)
+
+
+def test_buckets_hold_whole_groups_in_order():
+    assert plan_buckets([10, 10, 10, 10], 25) == [range(0, 2), range(2, 4)]
+    assert plan_buckets([30, 5, 5, 40, 1], 25) == [range(0, 1), range(1, 3), range(3, 4), range(4, 5)]
+    assert plan_buckets([5, 5], 100) == [range(0, 2)] and plan_buckets([], 10) == []
+
+
+# ---- the protocol against a stand-in server ----------------------------------------------------------------------
+class StandInServer:
+    """The routes WeightSync calls on a vLLM server with the ipc backend, in a thread. Parses every update with
+    vLLM's own parser and rebuilds it through FakeIpc; `old_engine` answers an init carrying `packed` the way an
+    engine whose init_info has no such field does; `die_on` / `hang_on` break the n-th update."""
+
+    def __init__(self, fake: FakeIpc, old_engine=False, die_on=None, hang_on=None, backend="ipc"):
+        self.fake, self.old_engine, self.die_on, self.hang_on = fake, old_engine, die_on, hang_on
+        self.engine = vllm_ipc_engine()
+        self.calls, self.received, self.alive_at_update, self.init_infos = [], {}, [], []
+        self.info = {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"},
+                                     "weight_transfer_config": {"backend": backend},
+                                     "cache_config": {"gpu_memory_utilization": 0.3}},
+                     "vllm_env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": True},
+                     "system_env": {"env_vars": "VLLM_SERVER_DEV_MODE=1\nCUDA_VISIBLE_DEVICES=0\n"}}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, payload, status=200):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                route = self.path.split("?")[0]
+                self.reply({"/server_info": server.info, "/get_world_size": {"world_size": 1}}.get(route, {}))
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else {}
+                route = self.path.split("?")[0].lstrip("/")
+                if route == "init_weight_transfer_engine":
+                    server.init_infos.append(body["init_info"])
+                    if server.old_engine and "packed" in body["init_info"]:
+                        return self.reply({"error": {"message": "Call to collective_rpc method failed: Worker "
+                                           "failed with error 'Invalid init_info for IPCWeightTransferEngine: "
+                                           "IPCWeightTransferInitInfo.__init__() got an unexpected keyword argument "
+                                           "'packed''"}}, 500)
+                    return self.reply({})
+                elif route == "update_weights":
+                    n = sum(c == "update" for c in server.calls) + 1
+                    if n == server.die_on:
+                        self.connection.shutdown(2)  # the server process dies mid-request
+                        return
+                    if n == server.hang_on:
+                        time.sleep(30)
+                    server.alive_at_update.append(server.fake.alive())
+                    parsed = server.engine.parse_update_info(body["update_info"])
+                    server.received.update(unpack(parsed, server.fake, "cpu"))
+                    route = "update"
+                elif route == "finish_weight_update":
+                    route = f"finish:{(body or {}).get('weight_version')}"
+                server.calls.append(route.split("_")[0] if route in ("start_weight_update", "pause", "resume")
+                                    else route)
+                self.reply({})
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.http.shutdown()
+
+
+@pytest.fixture
+def fake_ipc(monkeypatch):
+    fake = FakeIpc()
+    monkeypatch.setattr(ipc, "share_handle", fake.share)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return fake
+
+
+@pytest.mark.parametrize("old_engine", [False, True], ids=["packed", "per_tensor"])
+def test_ipc_sync_sends_every_weight_in_buckets_one_alive_at_a_time(fake_ipc, old_engine):
+    server = StandInServer(fake_ipc, old_engine=old_engine)
+    try:
+        model = small_model()
+        sync = WeightSync(server.base_url, WeightSyncConfig(mode="ipc", timeout=10, ipc_bucket_bytes=40_000))
+        sync.init(model)
+        assert sync.mode == "ipc" and sync.ipc.packed == (not old_engine)
+        assert server.init_infos == ([{"packed": True}, {}] if old_engine else [{"packed": True}])
+        timings = sync.sync(model, version=5)
+        buckets = sync.ipc.buckets_sent
+        assert buckets >= 4  # 3 layers + embeddings + head in 40 kB buckets
+        assert server.calls == ["pause", "start", *["update"] * buckets, "finish:5", "resume"]
+        assert server.alive_at_update == [1] * buckets  # the bucket being read, never an earlier one
+        expected = dict(sync.plan.iter_tensors())
+        assert list(server.received) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(server.received[name], tensor), name
+        assert timings["perf/weight_sync_transfer_s"] > 0
+        sync.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_server_failing_mid_transfer_raises_within_the_timeout(fake_ipc, how):
+    server = StandInServer(fake_ipc, **({"die_on": 2} if how == "dies" else {"hang_on": 2}))
+    try:
+        model = small_model()
+        sync = WeightSync(server.base_url, WeightSyncConfig(mode="ipc", timeout=2.0, ipc_bucket_bytes=40_000))
+        sync.init(model)
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="restart it"):
+            sync.sync(model, version=1)
+        assert time.monotonic() - start < 8.0  # the 2 s call timeout (+ the best-effort finish), not 30 s
+        assert server.calls[:3] == ["pause", "start", "update"]
+    finally:
+        server.stop()
+
+
+def test_ipc_refuses_a_non_loopback_server_before_any_request():
+    with pytest.raises(ValueError, match="127.0.0.1"):
+        WeightSync("http://10.1.2.3:8000", WeightSyncConfig(mode="ipc"))
+    with pytest.raises(ValueError, match="one vLLM server"):
+        WeightSync(["http://127.0.0.1:8000", "http://127.0.0.1:8001"], WeightSyncConfig(mode="ipc"))
+    assert is_loopback("http://localhost:8000") and is_loopback("http://127.0.0.5:1") and is_loopback("http://[::1]:8")
+    assert not is_loopback("http://gen1:8000") and not is_loopback("http://0.0.0.0:8000")
+
+
+def test_ipc_refuses_a_server_started_for_another_backend(fake_ipc):
+    server = StandInServer(fake_ipc, backend="nccl")
+    try:
+        with pytest.raises(ValueError, match='"backend": "ipc"'):
+            WeightSync(server.base_url, WeightSyncConfig(mode="ipc", timeout=5)).init(small_model())
+    finally:
+        server.stop()
+
+
+# ---- which transfer, on which GPU ----------------------------------------------------------------------------
+def server_info(cvd: str | None = "0", backend: str | None = "ipc") -> dict:
+    env = "VLLM_SERVER_DEV_MODE=1\n" + (f"CUDA_VISIBLE_DEVICES={cvd}\n" if cvd is not None else "")
+    info = {"vllm_config": {"weight_transfer_config": {"backend": backend} if backend else None},
+            "system_env": {"env_vars": env}}
+    return info
+
+
+UUIDS = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000"]
+
+
+def test_server_gpu_is_read_from_its_reported_environment():
+    assert server_visible_device(server_info("1,0")) == "1"
+    assert server_visible_device(server_info(None)) == "0"  # unset: the first GPU
+    assert server_visible_device({"vllm_config": {}}) is None  # /server_info without system_env: unknown
+    url = "http://127.0.0.1:8000"
+    assert same_gpu(server_info("1"), url, "bbbb2222-0000", "1", UUIDS)[0] is True
+    assert same_gpu(server_info("0"), url, "bbbb2222-0000", "1", UUIDS)[0] is False
+    assert same_gpu(server_info("GPU-bbbb2222"), url, "bbbb2222-0000", "0", [])[0] is True  # a UUID prefix
+    assert same_gpu(server_info("0"), url, "aaaa1111-0000", "0", [])[0] is True  # no NVML: same name, same host
+    assert same_gpu(server_info("0"), "http://gen1:8000", "aaaa1111-0000", "0", [])[0] is None  # other host?
+    assert same_gpu({"vllm_config": {"device_config": {"device": "cpu"}}}, url, "a", "0", UUIDS)[0] is False
+
+
+def view(same=True, backend="ipc", world=1, url="http://127.0.0.1:8000"):
+    return ServerView(url, backend, world, same, "GPU-x")
+
+
+def test_auto_picks_ipc_only_for_one_same_gpu_server_and_says_why():
+    assert choose_transfer("auto", True, [view()]).mode == "ipc"
+    assert choose_transfer("auto", True, [view(backend=None)]).mode == "ipc"
+    assert choose_transfer("auto", True, [view(same=None)]).mode == "ipc"  # started for ipc: the engine checks
+    assert choose_transfer("auto", True, [view(same=False, backend="nccl")]).mode == "nccl"
+    assert choose_transfer("auto", True, [view(same=None, backend=None)]).mode == "nccl"
+    assert choose_transfer("auto", True, [view(backend="cpu_file")]).mode == "cpu_file"
+    assert choose_transfer("auto", False, [view()]).mode == "cpu_file"
+    assert choose_transfer("nccl", True, [view()]).mode == "nccl"
+    assert "this trainer's GPU" in choose_transfer("auto", True, [view()]).reason
+    with pytest.raises(ValueError, match="NCCL cannot put two ranks on one GPU"):
+        choose_transfer("auto", True, [view(backend="nccl")])
+    with pytest.raises(ValueError, match="is not"):
+        choose_transfer("ipc", True, [view(same=False)])
+    with pytest.raises(ValueError, match="one vLLM worker"):
+        choose_transfer("ipc", True, [view(world=2)])
+    with pytest.raises(ValueError, match="127.0.0.1"):
+        choose_transfer("auto", True, [view(url="http://gen1:8000")])
+
+
+# ---- one-GPU memory plan ---------------------------------------------------------------------------------------
+def test_memory_plan_fits_or_names_both_numbers():
+    OneGpuMemoryPlan(140 * GIB, 0.3, 60 * GIB, 1 * GIB).check()
+    plan = OneGpuMemoryPlan(140 * GIB, 0.5, 90 * GIB, 1 * GIB)
+    with pytest.raises(OneGpuMemoryError) as err:
+        plan.check()
+    text = str(err.value)
+    assert "gpu_memory_utilization 0.50" in text and "70.0 GiB" in text  # the server's share
+    assert "measured peak 90.0 GiB" in text and "92.0 GiB" in text  # the trainer's
+    assert f"--gpu-memory-utilization {plan.max_server_fraction:.2f}" in text
+    OneGpuMemoryPlan(140 * GIB, plan.max_server_fraction, 90 * GIB, 1 * GIB).check()  # the advice fits
+    with pytest.raises(OneGpuMemoryError, match="does not fit beside any server"):
+        OneGpuMemoryPlan(80 * GIB, 0.1, 80 * GIB, 0).check()
+
+
+def test_memory_plan_reads_the_servers_share():
+    assert ipc.server_fraction({"vllm_config": {"cache_config": {"gpu_memory_utilization": 0.3}}}) == 0.3
+    assert ipc.server_fraction({"vllm_config": {"cache_config": {"gpu_memory_utilization": 0.9,
+                                                                 "kv_cache_memory_bytes": 1 << 30}}}) is None
+
+
+def test_ipc_errors_name_the_fix():
+    from grpo.vllm_client import error_hint
+
+    assert "CUDA_VISIBLE_DEVICES" in error_hint(500, "/update_weights", "IPC handle not found for GPU UUID abc. "
+                                                "Available UUIDs: ['def']")
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in error_hint(
+        500, "/update_weights", "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
