@@ -120,7 +120,7 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
     logprobs are not the sampler's or whose limits differ from the first one's, and warns on mismatches."""
     from grpo.vllm_client import ServerFacts, VLLMControl
 
-    facts, first = [], None
+    facts, first, served_first = [], None, None
     for url in config.vllm_server_urls:
         with VLLMControl(url, timeout=config.vllm_server_timeout) as control:
             control.wait_ready(progress_every=config.progress_interval_s)
@@ -128,6 +128,9 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
                 log.warning("the vLLM server at %s was left paused (a previous run stopped mid-sync?); the cold sync "
                             "resumes it", url)
             server_info = control.server_info()
+            served = control.models()["data"][0]["id"]
+            check_served_model(config, url, served, server_info)
+            served_first = served_first or served  # the name requests carry (the server may spell --model otherwise)
             facts.append(ServerFacts.from_server_info(server_info, control.max_model_len()))
         facts[-1].check(url)
         first = first or server_info
@@ -145,7 +148,48 @@ def server_facts(config: AsyncGRPOConfig) -> dict:
                     "over the full vocabulary, so importance ratios are biased by the kept mass")
     from grpo.lora import server_lora_facts
 
-    return {"max_model_len": facts.max_model_len, "dtype": facts.dtype, "lora": server_lora_facts(first)}
+    return {"max_model_len": facts.max_model_len, "dtype": facts.dtype, "lora": server_lora_facts(first),
+            "served_model": served_first}
+
+
+MODEL_SHAPE_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def model_shape(config_dict: dict) -> dict:
+    """What must agree between the trainer's model and the served one (the text config of a VLM)."""
+    text = config_dict.get("text_config") or config_dict
+    shape = {k: text.get(k) for k in MODEL_SHAPE_KEYS if k != "architectures"}
+    return shape | {"architectures": config_dict.get("architectures")}
+
+
+def check_served_model(config: AsyncGRPOConfig, url: str, served: str, server_info: dict) -> None:
+    """The server serves `--model`: the same name or path, or a checkpoint of the same architecture and shape
+    (architecture, vocabulary, hidden size, layers, heads). A different model is refused with both names (its
+    first weight sync would fail with an opaque 500 and leave the server paused)."""
+    import os
+
+    from grpo.vllm_server import read_model_config
+
+    model_cfg = (server_info.get("vllm_config") or {}).get("model_config") or {}
+    server_model = str(model_cfg.get("model") or served)
+    names = {config.model, os.path.abspath(config.model) if os.path.isdir(config.model) else config.model}
+    if server_model in names or served in names:
+        return
+    ours, theirs = read_model_config(config.model), read_model_config(server_model)
+    if ours is None or theirs is None:
+        log.warning("the vLLM server at %s serves %r, not --model %r, and its config is not readable here: cannot "
+                    "check that they are the same model (a different one fails the first weight sync)", url,
+                    server_model, config.model)
+        return
+    mine, served_shape = model_shape(ours), model_shape(theirs)
+    diff = {k: (mine[k], served_shape[k]) for k in mine if mine[k] != served_shape[k]}
+    if diff:
+        raise ValueError(f"the vLLM server at {url} serves {server_model!r}, which is not --model {config.model!r} "
+                         f"(differs in {', '.join(f'{k}: {a} here vs {b} there' for k, (a, b) in diff.items())}); "
+                         f"restart the server with `vllm serve {config.model}` or pass --model {server_model}")
+    log.info("the vLLM server at %s serves %r: same architecture and shape as --model %r", url, server_model,
+             config.model)
 
 
 def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=None):
@@ -382,7 +426,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
                                skip_positions=state.get("consumed_above", []), lora_name=adapter and adapter.name,
-                               servers_alive=sync.alive_flags,
+                               servers_alive=sync.alive_flags, model_name=facts["served_model"],
                                token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
                                                                    * config.gradient_accumulation_steps))
         worker.start()
