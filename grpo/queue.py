@@ -110,7 +110,8 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
 
     shared["heartbeat"].value = time.time()  # spawn start-up (imports) must not read as a hang
     # The spawned process starts without the trainer's logging setup: same format, so its warnings say WARNING.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s (rollout worker): %(message)s")
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s (rollout worker): %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if spec.parent_pid:
         _watch_parent(spec.parent_pid)

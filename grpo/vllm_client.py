@@ -281,8 +281,8 @@ class VLLMClient:
     Connection errors, timeouts and 5xx answers are retried with backoff min(2**k, 16) s up to `max_retries`
     times (counted in `retry_count`, logged as `rollout/vllm_retry_count`); 4xx answers are configuration
     errors and raise `VLLMServerError` at once, except the 400 of a server that computed NaN/inf logprobs
-    (retried with a warning: stale NaN KV-cache blocks after a NaN weight sync fail some requests, not all). With `fail_fast_on_refused` (several servers: another one can take
-    the work) a refused connection, i.e. no process listening, raises `ServerUnreachableError` without retrying,
+    (retried with a warning: stale NaN KV-cache blocks after a NaN weight sync fail some requests, not all).
+    With `fail_fast_on_refused` (several servers: another one can take the work) a refused connection, i.e. no process listening, raises `ServerUnreachableError` without retrying,
     and so does a 5xx answer to the last retry (a live server that fails every request is as good as dead).
     """
 

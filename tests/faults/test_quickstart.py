@@ -91,7 +91,8 @@ def test_killed_trainer_leaves_no_worker_or_verifier_behind(faults_server, tiny_
     from .test_run_faults import gone, start
 
     data = tmp_path / "math.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p}], "solution": "1"}) + "\n" for p in PROMPTS))
+    rows = [{"prompt": [{"role": "user", "content": p}], "solution": "1"} for p in PROMPTS]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     cmd = [PY, str(REPO / "train.py"), "--model", str(tiny_qwen3), "--dataset", str(data),
            "--reward-funcs", "faults.test_quickstart:accuracy_then_stall",
