@@ -139,7 +139,7 @@ def same_gpu(info: dict, url: str, trainer_uuid: str, trainer_spec: str, uuids: 
         spec if spec.lower().startswith("gpu-") else None)
     if server_uuid is not None:
         a, b = _norm(server_uuid), _norm(trainer_uuid)
-        return (a.startswith(b) or b.startswith(a)), f"server GPU {server_uuid}, trainer GPU GPU-{trainer_uuid}"
+        return (a.startswith(b) or b.startswith(a)), f"server GPU {server_uuid}, trainer GPU {trainer_uuid}"
     if is_loopback(url) and spec == trainer_spec:
         return True, f"both use device {spec} of this host (CUDA_VISIBLE_DEVICES)"
     if is_loopback(url) and spec.isdigit() and trainer_spec.isdigit():

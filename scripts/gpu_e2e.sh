@@ -1,15 +1,49 @@
 #!/usr/bin/env bash
-# The whole loop on ONE GPU against a real vLLM server, in one device call (see README "GPU end to end").
+# The whole loop on ONE GPU against a real vLLM server, in one device call (README "One GPU").
 #   MODEL=Qwen/Qwen3-0.6B bash scripts/gpu_e2e.sh   # a GPU machine with vllm installed
 #   bash scripts/gpu_e2e.sh       # the offline device machine: vLLM bundle in .gpuvllm/, wheels in .whl/
-# Builds a random-weight Qwen3-0.6B-shaped model, serves it (30 % of the GPU), trains train.py against it
-# twice -- async (max_staleness 4) and synchronous (max_staleness 0) -- and checks the result from outside
-# (scripts/gpu_e2e_check.py). Weight sync on one GPU uses this project's `cpu_file` backend (a safetensors file in
-# /dev/shm, through vLLM's own pause/start/update/finish/resume routes): NCCL refuses two ranks on one device.
+# Builds a random-weight Qwen3-0.6B-shaped model, serves it on 127.0.0.1 (30 % of the GPU) with vLLM's CUDA-IPC
+# weight-transfer engine, and per workload trains train.py against it twice back to back -- async (max_staleness
+# 4) and synchronous (max_staleness 0) -- checking each run from outside (scripts/gpu_e2e_check.py: the server's
+# logprobs equal the final checkpoint's), then measures generation and training alone and together
+# (scripts/gpu_overlap.py), and prints the report: steady-state step times (warm-up steps apart), weight-sync
+# seconds, S = sync/async step, G, T, G_c, T_c, L, L_c, and the acceptance targets.
+# Knobs (env):
+#   MPS=off|shared|split   CUDA MPS daemon for server + trainers (split: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 each);
+#                          started here (root), stopped at exit
+#   WORKLOADS="fixed"      any of: fixed (every completion MAXLEN tokens), longtail (10 % to MAXLEN, the rest short)
+#   TRAIN=1 BENCH=1        the async+sync runs / the overlap bench, per workload
+#   STEPS=20 MAXLEN=384 TOKEN_BUDGET=16384 GRAD_ACCUM=2 WARMUP=3 (steps left out of the steady state)
+#   WEIGHT_TRANSFER=ipc    or cpu_file (the previous one-GPU path: safetensors through /dev/shm), auto
+#   GPU_UTIL=0.3           the server's --gpu-memory-utilization
+#   GPU_TESTS=1            also `pytest -m gpu tests/test_gpu_ipc.py` against the server (needs pytest there)
+#   CHECK_TREE=1 SERVER_BENCH=1 THEN_BENCH="..." TRAIN_FLAGS="..." SERVE_FLAGS="..." (as before)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_e2e}; mkdir -p "$OUT"
-STEPS=${STEPS:-20}; PORT=${PORT:-8000}
+RUNS=${RUNS:-/tmp/gpu_e2e_runs}; rm -rf "$RUNS"; mkdir -p "$RUNS"  # checkpoints stay here; metrics are copied to OUT
+STEPS=${STEPS:-20}; PORT=${PORT:-8000}; MAXLEN=${MAXLEN:-384}; TOKEN_BUDGET=${TOKEN_BUDGET:-16384}
+GRAD_ACCUM=${GRAD_ACCUM:-2}; WARMUP=${WARMUP:-3}; WORKLOADS=${WORKLOADS:-fixed}; MPS=${MPS:-off}
+WEIGHT_TRANSFER=${WEIGHT_TRANSFER:-ipc}; export GPUVLLM_GPU_UTIL=${GPU_UTIL:-${GPUVLLM_GPU_UTIL:-0.3}}
+T_START=$SECONDS
+
+cleanup() {
+  declare -F vllm_stop >/dev/null && vllm_stop "$PORT"
+  if [ -n "${MPS_STARTED:-}" ]; then echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"; fi
+  echo "total $((SECONDS - T_START)) s"
+}
+trap cleanup EXIT
+case $MPS in
+  off) ;;
+  shared|split)  # the daemon and every client (server, trainers) must agree on these two directories
+    export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/mps_pipe} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/mps_log}
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS daemon did not start (needs root and nvidia-cuda-mps-control)"; exit 1; }
+    MPS_STARTED=1; echo "MPS daemon started ($MPS)"
+    [ "$MPS" = split ] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 ;;
+  *) echo "MPS must be off, shared or split (got $MPS)"; exit 2 ;;
+esac
+
 if [ -f .gpuvllm/device_serve.sh ]; then
   # An offline machine: vLLM comes as an unpacked bundle (vllm_serve / vllm_wait / vllm_stop come from it), extra
   # wheels from .whl/, and the project's vLLM plugin entry point is declared by hand for the bundle's site dir.
@@ -23,13 +57,13 @@ if [ -f .gpuvllm/device_serve.sh ]; then
     > /tmp/site/async_grpo-0.1.0.dist-info/entry_points.txt
 else  # a machine with `pip install -r requirements.txt && pip install -e .` done: vllm on PATH, plugin registered
   vllm_serve() { local m=$1 p=$2; shift 2; VLLM_SERVER_DEV_MODE=1 vllm serve "$m" --port "$p" --host 127.0.0.1 \
-      --dtype bfloat16 --gpu-memory-utilization 0.3 --max-model-len 2048 "$@" > "$OUT/vllm_$p.log" 2>&1 &
+      --dtype bfloat16 --gpu-memory-utilization "$GPUVLLM_GPU_UTIL" --max-model-len 2048 "$@" > "$OUT/vllm_$p.log" 2>&1 &
     echo $! > "$OUT/vllm_$p.pid"; }
   vllm_wait() { for _ in $(seq "$2"); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
     tail -40 "$OUT/vllm_$1.log"; return 1; }
   vllm_stop() { kill "$(cat "$OUT/vllm_$1.pid")" 2>/dev/null; }
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-}
 KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny (SERVE_FLAGS="--language-model-only --enforce-eager")
 if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at a public shape, Qwen-style tokenizer
@@ -38,32 +72,90 @@ if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at 
   MODEL=/tmp/models/$KIND
 fi
 [ -n "$MODEL" ] || { echo "set MODEL=<local model dir or hub id> (e.g. MODEL=Qwen/Qwen3-0.6B)"; exit 2; }
+
+BACKEND=ipc; [ "$WEIGHT_TRANSFER" = cpu_file ] && BACKEND=cpu_file
+# ipc: the server unpickles the trainer's CUDA-IPC handles, so it gets the switch and listens on 127.0.0.1 only
+[ "$BACKEND" = ipc ] && export VLLM_ALLOW_INSECURE_SERIALIZATION=1
 GPUVLLM_LOG_DIR=$OUT vllm_serve "$MODEL" "$PORT" --logprobs-mode processed_logprobs \
-  --weight-transfer-config '{"backend": "cpu_file"}' --max-logprobs 20 ${SERVE_FLAGS:-}
+  --weight-transfer-config "{\"backend\": \"$BACKEND\"}" --max-logprobs 20 ${SERVE_FLAGS:-}
+unset VLLM_ALLOW_INSECURE_SERIALIZATION
 T_SERVE=$SECONDS
 vllm_wait "$PORT" "${SERVER_WAIT_S:-300}" || exit 1
 echo "server healthy after $((SECONDS - T_SERVE)) s"
+URL="http://127.0.0.1:$PORT"
+
+# What `--weight-transfer auto` decides for this server, and why (the runs below pass WEIGHT_TRANSFER explicitly)
+python3 - "$URL" <<'PY' 2>&1 | grep -v Warning | tee "$OUT/transfer_choice.log"
+import sys
+from grpo.ipc_transfer import choose_transfer, device_uuid, nvml_uuids, server_view, trainer_visible_device
+from grpo.vllm_client import VLLMControl
+control = VLLMControl(sys.argv[1], timeout=60)
+try:
+    version = control.version()
+except Exception as exc:
+    version = f"unknown ({exc})"
+view = server_view(sys.argv[1], control.server_info(), control.world_size(), device_uuid(0), trainer_visible_device(0),
+                   nvml_uuids())
+print(f"vLLM {version}; backend {view.backend}; same GPU as this process: {view.same_gpu} ({view.detail})")
+try:
+    choice = choose_transfer("auto", True, [view])
+    print(f"auto would choose: {choice.mode} ({choice.reason})")
+except ValueError as exc:
+    print(f"auto refuses: {exc}")
+PY
+printf '{"mps": "%s", "weight_transfer": "%s", "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
+  "$MPS" "$WEIGHT_TRANSFER" "$GPUVLLM_GPU_UTIL" "$MAXLEN" "$TOKEN_BUDGET" "$GRAD_ACCUM" "$STEPS" > "$OUT/setup.json"
+
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
-  python3 scripts/gpu_e2e_check.py --server "http://127.0.0.1:$PORT" --initial "$MODEL" --tree 2>&1 \
+  python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --tree 2>&1 \
     | grep -v "Loading\|Writing" | tee "$OUT/check_tree.log" | tail -4
 fi
-[ -f .gpuvllm/bench.py ] && { python3 .gpuvllm/bench.py "$PORT" --out "$OUT/server_bench.json" > "$OUT/server_bench.log" 2>&1; tail -3 "$OUT/server_bench.log"; }
-run() {  # run NAME MAX_STALENESS
-  local t0=$SECONDS
-  timeout "${RUN_TIMEOUT_S:-200}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
-    --vllm-server-base-url "http://127.0.0.1:$PORT" --weight-transfer cpu_file --num-generations 8 \
-    --max-completion-length "${MAXLEN:-128}" --learning-rate 5e-5 --max-steps "$STEPS" --save-steps "$STEPS" \
-    --max-staleness "$2" --output-dir "$OUT/$1" ${TRAIN_FLAGS:-} > "$OUT/$1.log" 2>&1
+if [ -n "${SERVER_BENCH:-}" ] && [ -f .gpuvllm/bench.py ]; then
+  python3 .gpuvllm/bench.py "$PORT" --out "$OUT/server_bench.json" > "$OUT/server_bench.log" 2>&1; tail -3 "$OUT/server_bench.log"
+fi
+if [ -n "${GPU_TESTS:-}" ]; then  # before the runs: its syncs overwrite the served weights, every run's cold sync too
+  if python3 -c "import pytest" 2>/dev/null; then
+    GRPO_IPC_VLLM_URL=$URL GRPO_IPC_VLLM_MODEL=$MODEL timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      tests/test_gpu_ipc.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "RESULT|passed|failed|skipped|Error" | tail -6
+  else
+    echo "GPU_TESTS: pytest is not installed here (add its wheel to .whl/)"
+  fi
+fi
+
+run() {  # run WORKLOAD NAME MAX_STALENESS
+  local t0=$SECONDS dir=$RUNS/$1/$2 loop=()
+  [ "$1" = longtail ] && loop=(--loop-cls gpu_overlap:LongTailLoop)
+  mkdir -p "$OUT/$1/$2"
+  timeout "${RUN_TIMEOUT_S:-300}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
+    --vllm-server-base-url "$URL" --weight-transfer "$WEIGHT_TRANSFER" --num-generations 8 \
+    --max-completion-length "$MAXLEN" --token-budget "$TOKEN_BUDGET" --gradient-accumulation-steps "$GRAD_ACCUM" \
+    --learning-rate 5e-5 --max-steps "$STEPS" --save-steps "$STEPS" --max-staleness "$3" --output-dir "$dir" \
+    "${loop[@]}" ${TRAIN_FLAGS:-} > "$OUT/$1/$2.log" 2>&1
   local rc=$?
-  echo "{\"wall_s\": $((SECONDS - t0)), \"rc\": $rc}" > "$OUT/$1/wall.json"
-  echo "run $1 (max_staleness $2): rc $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || tail -30 "$OUT/$1.log"
+  echo "{\"wall_s\": $((SECONDS - t0)), \"rc\": $rc}" > "$dir/wall.json"
+  cp "$dir/wall.json" "$dir/metrics.jsonl" "$OUT/$1/$2/" 2>/dev/null
+  grep -m1 "weight transfer:" "$OUT/$1/$2.log"
+  echo "run $1/$2 (max_staleness $3): rc $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || tail -30 "$OUT/$1/$2.log"
+  return $rc
 }
-check() {  # check NAME MAX_STALENESS [--compare RUN]: right after the run, while the server holds its weights
-  python3 scripts/gpu_e2e_check.py --server "http://127.0.0.1:$PORT" --initial "$MODEL" --run "$OUT/$1" \
-    --max-staleness "$2" --steps "$STEPS" "${@:3}" | tee "$OUT/check_$1.log"
+check() {  # check WORKLOAD NAME MAX_STALENESS [--compare-with RUN]: right after the run, while the server holds its weights
+  python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --run "$RUNS/$1/$2" --max-staleness "$3" \
+    --steps "$STEPS" "${@:4}" 2>&1 | grep -v "Loading\|Writing" | tee "$OUT/$1/check_$2.log"
 }
-run e2e_async 4 && check e2e_async 4
-[ -n "${ASYNC_ONLY:-}" ] || { run e2e_sync 0 && check e2e_sync 0 --compare-with "$OUT/e2e_async"; }
+for W in $WORKLOADS; do
+  mkdir -p "$OUT/$W"
+  if [ "${TRAIN:-1}" = 1 ]; then
+    run "$W" async 4 && check "$W" async 4
+    [ -n "${ASYNC_ONLY:-}" ] || { run "$W" sync 0 && check "$W" sync 0 --compare-with "$RUNS/$W/async"; }
+  fi
+  if [ "${BENCH:-1}" = 1 ]; then
+    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/gpu_overlap.py --server "$URL" --model "$MODEL" --workload "$W" \
+      --max-len "$MAXLEN" --token-budget "$TOKEN_BUDGET" --grad-accum "$GRAD_ACCUM" --in-flight 4 \
+      --reps "${BENCH_REPS:-4}" --warmup "${BENCH_WARMUP:-2}" --json "$OUT/$W/overlap.json" > "$OUT/$W/overlap.log" 2>&1
+    grep "^OVERLAP" "$OUT/$W/overlap.log" || tail -20 "$OUT/$W/overlap.log"
+  fi
+done
+python3 scripts/gpu_e2e_check.py --report "$OUT" --warmup "$WARMUP" | tee "$OUT/report.txt"
 vllm_stop "$PORT"
 if [ -n "${THEN_BENCH:-}" ]; then  # the trainer step alone, once the server has released the GPU
   timeout 120 python3 scripts/bench_step.py $THEN_BENCH 2>&1 | grep -v "^RESULT\|Loading" | tee "$OUT/bench.log" | tail -8

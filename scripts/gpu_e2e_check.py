@@ -1,9 +1,11 @@
 """Checks for scripts/gpu_e2e.sh: one training run against a real vLLM server on the same GPU, judged from the
 outside (its metrics, its checkpoint, the server's own logprobs). Prints PASS/FAIL per check and an async-vs-sync
-table when two runs are given; exits 1 if any check fails.
+table when two runs are given; exits 1 if any check fails. `--report` prints the one-GPU summary of a whole
+gpu_e2e.sh output folder (steady state per run, S, the overlap figures, the acceptance targets).
 
     python scripts/gpu_e2e_check.py --server http://127.0.0.1:8000 --initial /tmp/models/qwen3-0.6b \
         --run outputs/e2e_sync --max-staleness 0 --steps 20 [--compare-with outputs/e2e_async]
+    python scripts/gpu_e2e_check.py --report outputs/gpu_e2e --warmup 3
 """
 
 from __future__ import annotations
@@ -112,10 +114,66 @@ def summary(run: Path) -> dict:
             "reward_first": mean(rows[:5], "reward"), "reward_last": mean(rows[-5:], "reward")}
 
 
+def steady(run: Path, warmup: int) -> dict:
+    """Per-step means over the steps after the first `warmup` (compile, first syncs, queue filling), which are
+    reported apart."""
+    rows = metrics(run)
+    rest = rows[warmup:]
+    syncs = [r["perf/weight_sync_s"] for r in rest if r.get("perf/weight_sync_s") is not None]
+    return {"steps": len(rows), "warmup_step_s": [round(r["perf/step_s"], 3) for r in rows[:warmup]],
+            "step_s": mean(rest, "perf/step_s"), "rollout_wait_s": mean(rest, "perf/rollout_wait_s"),
+            "train_s": mean(rest, "perf/fwd_bwd_s") + mean(rest, "perf/optimizer_s"),
+            "sync_s": sum(syncs) / len(syncs) if syncs else float("nan"), "sync_max_s": max(syncs, default=math.nan),
+            "sync_transfer_s": mean(rest, "perf/weight_sync_transfer_s"),
+            "syncs": 1 + sum(r.get("perf/weight_sync_s") is not None for r in rows)}  # + the cold one
+
+
+def report(out: Path, warmup: int, sync_target_s: float) -> int:
+    """The one-GPU figures of a gpu_e2e.sh output folder: per workload, the async and sync runs' steady state and
+    S = sync step / async step, the overlap bench's (<workload>/overlap.json) G, T, G_c, T_c, L, L_c, and the acceptance targets."""
+    setup = json.loads((out / "setup.json").read_text()) if (out / "setup.json").exists() else {}
+    print(f"\n==== one-GPU report: {out} {json.dumps(setup)}")
+    failed = 0
+    for workload in sorted(d.name for d in out.iterdir() if d.is_dir() and any(
+            (d / x).exists() for x in ("async", "sync", "overlap.json"))):
+        print(f"\n-- workload {workload}")
+        runs = {name: steady(out / workload / name, warmup) for name in ("async", "sync")
+                if (out / workload / name / "metrics.jsonl").exists()}
+        for name, r in runs.items():
+            print(f"{name:5s}: step {r['step_s']:.3f} s (steady, {r['steps'] - warmup} steps; warm-up "
+                  f"{r['warmup_step_s']}), rollout wait {r['rollout_wait_s']:.3f} s, train {r['train_s']:.3f} s, "
+                  f"weight sync {r['sync_s']:.3f} s mean / {r['sync_max_s']:.3f} max ({r['syncs']} syncs)")
+            ok = r["sync_s"] <= sync_target_s
+            failed += not ok
+            print(f"{'PASS' if ok else 'FAIL'} {name}: weight sync {r['sync_s']:.3f} s per sync <= {sync_target_s} s")
+            check = out / workload / f"check_{name}.log"
+            line = next((x for x in check.read_text().splitlines() if "server == trainer after the last sync" in x),
+                        None) if check.exists() else None
+            failed += line is None or not line.startswith("PASS")
+            print(f"{line[:4]} {name}: {line[5:]}" if line else f"FAIL {name}: no final-checkpoint logprob check in {check}")
+        if len(runs) == 2:
+            print(f"S = sync step / async step = {runs['sync']['step_s'] / runs['async']['step_s']:.2f}")
+        bench = out / workload / "overlap.json"
+        if bench.exists():
+            b = json.loads(bench.read_text())
+            print(f"overlap ({b['rollouts_per_step']:.0f} rollouts, {b['completion_tokens_per_step']:.0f} completion "
+                  f"tokens per step, {b['in_flight']} steps in flight, top-{b['num_sampler_logprobs']} logprobs): "
+                  f"G {b['G']:.3f} s, T {b['T']:.3f} s alone (G/T {b['G'] / b['T']:.2f}); together G_c "
+                  f"{b['G_c']:.3f} s, T_c {b['T_c']:.3f} s; L = (G+T)/max(G,T) = {b['L']:.2f}, "
+                  f"L_c = (G+T)/max(G_c,T_c) = {b['L_c']:.2f}")
+            print("  warm-up reps: " + ", ".join(f"{k} {[round(x, 3) for x in v['warmup_s']]}"
+                                                 for k, v in b["phases"].items()))
+    print(f"\nreport: {'all targets met' if not failed else f'{failed} target(s) missed'}")
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--server", required=True)
-    p.add_argument("--initial", required=True, type=Path)
+    p.add_argument("--report", type=Path, default=None, help="print the one-GPU summary of a gpu_e2e.sh output dir")
+    p.add_argument("--warmup", type=int, default=3, help="--report: steps per run excluded from the steady state")
+    p.add_argument("--sync-target-s", type=float, default=0.15, help="--report: acceptance bound per weight sync")
+    p.add_argument("--server")
+    p.add_argument("--initial", type=Path)
     p.add_argument("--run", type=Path, default=None)
     p.add_argument("--tree", action="store_true", help="only the server-vs-trainer tree-packed log-prob check "
                    "(run it before training, while the server holds the initial weights)")
@@ -124,6 +182,10 @@ def main() -> int:
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="the run's --max-steps (required without --tree)")
     args = p.parse_args()
+    if args.report is not None:
+        return report(args.report, args.warmup, args.sync_target_s)
+    if args.server is None or args.initial is None:
+        p.error("--server and --initial are required (or --report)")
     results: list[tuple[str, bool, str]] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
