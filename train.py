@@ -408,11 +408,11 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     state = ckpt.start_state(config.resume_from_checkpoint, config.output_dir, model, optimizer, scheduler,
                              log_on_this_rank=info.is_main)
 
-    mode = config.weight_transfer if config.weight_transfer != "auto" else (
-        "nccl" if info.device.type == "cuda" else "cpu_file")
     adapter = adapter_versions_for(config, choose_sync_mode(config.lora_sync, model, facts["lora"],
                                                             config.max_staleness))
-    sync = WeightSync(config.vllm_server_urls, WeightSyncConfig(mode=mode, timeout=config.vllm_server_timeout),
+    # auto is decided by WeightSync.init from the servers (ipc / nccl / cpu_file, grpo/ipc_transfer.py) and logged
+    sync = WeightSync(config.vllm_server_urls,
+                      WeightSyncConfig(mode=config.weight_transfer, timeout=config.vllm_server_timeout),
                       adapter=adapter)
     sync.init(model)
     version = state["model_version"] + 1

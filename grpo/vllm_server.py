@@ -81,6 +81,11 @@ def serve_command(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
     if cfg.sampling_mask:
         argv += ["--return-sampling-mask"]
     api_servers = cfg.api_server_count
+    if cfg.weight_transfer_backend == "ipc":  # CUDA-IPC handles arrive pickled: loopback only (grpo/ipc_transfer.py)
+        from grpo.ipc_transfer import require_loopback
+
+        require_loopback(f"http://{cfg.host}:{cfg.port}")
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if cfg.lora_rank > 0:
         rank = next((r for r in LORA_RANKS if r >= cfg.lora_rank), None)
         if rank is None:
