@@ -1,0 +1,289 @@
+"""The Gated DeltaNet recurrence of one layer on one trainer row, per kernel: time, memory and error.
+
+    python scripts/bench_gdn.py                          # Qwen3.5-2B GDN shapes, tree (ratio 3.4) and plain rows
+    python scripts/bench_gdn.py --variants torch fla --compile
+    python scripts/bench_gdn.py --device cpu --token-budget 1500 --prompt-len 300 --completion-len 60   # smoke test
+
+A row is what the trainer forwards (scripts/bench_step.py's workload: groups of 8 rollouts, 1068-token prompts,
+256-token completions, up to --token-budget unique tokens): `tree` packs each group's prompt once (a two-level
+segment tree), `plain` packs every rollout alone. The timed unit is the recurrence of one GDN layer over the
+whole row, as grpo/gdn.py's tree forward runs it (per trie level: gather, kernel, scatter), with bf16 q/k/v/beta
+and fp32 g, as FSDP2 mixed precision hands them over. Head counts and dims are Qwen3.5-2B's public config
+(bench_step.SHAPES); the ms x layers column multiplies fwd+bwd by the model's GDN layer count.
+
+Variants: torch (grpo.gdn.chunk_gated_delta_rule, the default torch path: bf16 matmul operands, fp32 decays,
+inverse and state), torch-fp32mm (the same with fp32 operands), torch-compiled (--compile: its state-free
+regions under torch.compile), sequential (the token-by-token reference kernel), transformers (transformers'
+torch_chunk_gated_delta_rule per padded level, the previous torch path; skipped when fla imports, because the
+name is then FLA's kernel), fla (FLA's varlen kernel; its backward only where grpo.gdn.fla_directions accepts
+this Triton/GPU). Errors: max |x - ref| / max |ref| of the output and of the gradients of q, k, v, g, beta, ref =
+the sequential kernel in fp32 on the same (bf16-valued) inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+TERMS = ["out", "dq", "dk", "dv", "dg", "dbeta"]
+
+
+def build_row(args, shared: bool):
+    """One packed row of the bench_step workload, filled to the token budget."""
+    from bench_step import synthetic_groups
+
+    from grpo.trie import pack_samples
+
+    source = synthetic_groups(1000, shared, 0, group_size=args.group_size, prompt_len=args.prompt_len,
+                              completion_len=args.completion_len)
+    samples: list = []
+    while True:
+        group = list(itertools.islice(source, args.group_size))
+        trial = pack_samples(samples + group, share_prefixes=shared)
+        if samples and trial.num_tokens > args.token_budget:
+            break
+        samples += group
+        if trial.num_tokens >= args.token_budget:
+            break
+    return pack_samples(samples, share_prefixes=shared)
+
+
+def make_inputs(n: int, h_k: int, h_v: int, d_k: int, d_v: int, device, seed: int = 0):
+    """q, k [N, H_k, D_k], v [N, H_v, D_v], beta [N, H_v] in bf16, g [N, H_v] in fp32; loss weights [N, H_v, D_v]."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(n, h_k, d_k, device=device, generator=gen).bfloat16()
+    k = torch.randn(n, h_k, d_k, device=device, generator=gen).bfloat16()
+    v = torch.randn(n, h_v, d_v, device=device, generator=gen).bfloat16()
+    g = -torch.rand(n, h_v, device=device, generator=gen) * 0.3
+    beta = torch.rand(n, h_v, device=device, generator=gen).bfloat16()
+    weights = torch.randn(n, h_v, d_v, device=device, generator=gen)
+    return [q, k, v, g, beta], weights
+
+
+def variants(names: list[str], device):
+    """name -> (recurrence(q, k, v, g, beta, plan) -> out, backward_ok, note), for the names that can run here."""
+    import torch
+
+    from grpo import gdn
+
+    def padded(rule):
+        def run(q, k, v, g, beta, plan):
+            rep = v.shape[1] // q.shape[1]
+            return gdn.tree_chunk_gated_delta_rule(rule, q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1),
+                                                   v, g, beta, plan)
+        return run
+
+    fla_importable = importlib.util.find_spec("fla") is not None
+    out = {}
+    for name in names:
+        if name == "torch":
+            out[name] = (padded(gdn.chunk_gated_delta_rule), True, "")
+        elif name == "torch-fp32mm":
+            out[name] = (padded(functools.partial(gdn.chunk_gated_delta_rule, matmul_dtype=torch.float32)), True, "")
+        elif name == "torch-compiled":
+            out[name] = (padded(lambda *a, **kw: gdn.chunk_gated_delta_rule(*a, **kw)), True, "compiled regions")
+        elif name == "sequential":
+            out[name] = (padded(gdn.sequential_gated_delta_rule), True, "")
+        elif name == "transformers":
+            if fla_importable:
+                print("transformers: skipped (fla imports, so transformers' torch_chunk_gated_delta_rule is FLA's)")
+                continue
+            from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+            out[name] = (padded(torch_chunk_gated_delta_rule), True, "")
+        elif name == "fla":
+            if device.type != "cuda" or not fla_importable:
+                print("fla: skipped (needs CUDA and fla-core)")
+                continue
+            import triton
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+            _, backward_ok, reason = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability(device))
+            out[name] = (functools.partial(gdn.tree_varlen_gated_delta_rule, fla_rule), backward_ok,
+                         "" if backward_ok else f"backward refused: {reason}")
+        else:
+            raise SystemExit(f"unknown variant {name}")
+    return out
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_once(fn, inputs, weights, plan, backward: bool):
+    """(out, grads or None) of one call; inputs are cloned leaves."""
+    import torch
+
+    xs = [t.detach().clone().requires_grad_(backward) for t in inputs]
+    with torch.set_grad_enabled(backward):
+        out = fn(*xs, plan)
+        if not backward:
+            return out, None
+        (out.float() * weights).sum().backward()
+    return out, [t.grad for t in xs]
+
+
+def time_ms(fn, inputs, weights, plan, backward: bool, reps: int, warmup: int, device) -> float:
+    times = []
+    for i in range(warmup + reps):
+        sync(device)
+        t0 = time.perf_counter()
+        run_once(fn, inputs, weights, plan, backward)
+        sync(device)
+        if i >= warmup:
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def scale_error(got, want) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+
+
+def bench_row(row_kind: str, row, args, device, dims, n_layers: int) -> list[dict]:
+    import torch
+
+    from grpo import gdn
+    from grpo.gdn import plan_tree_scan
+
+    row = row.to(device)
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+    levels = ", ".join(f"{int(lv.gather_index.shape[0])}x{int(lv.gather_index.shape[1])}" for lv in plan.levels)
+    print(f"\n{row_kind}: {row.num_tokens} tokens, {row.num_segments} segments, levels (segments x padded length): "
+          f"{levels}", flush=True)
+    inputs, weights = make_inputs(row.num_tokens, *dims, device)
+    reference_inputs = [t.float() for t in inputs]  # the same values, fp32
+    ref_out, ref_grads = run_once(padded_reference(), reference_inputs, weights, plan, backward=True)
+    reference = [ref_out] + ref_grads
+    results = []
+    for name, (fn, backward_ok, note) in variants(args.variants, device).items():
+        compiled_regions(gdn, name == "torch-compiled")
+        slow = name in ("sequential", "transformers")
+        reps, warmup = (1, 1) if slow else (args.reps, args.warmup)
+        r = {"row": row_kind, "variant": name, "note": note, "layers": n_layers}
+        r["fwd_ms"] = time_ms(fn, inputs, weights, plan, False, reps, warmup, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        if backward_ok:
+            r["fwd_bwd_ms"] = time_ms(fn, inputs, weights, plan, True, reps, warmup, device)
+            out, grads = run_once(fn, inputs, weights, plan, backward=True)
+            errors = [scale_error(a, b) for a, b in zip([out] + grads, reference)]
+        else:
+            r["fwd_bwd_ms"] = float("nan")
+            out, _ = run_once(fn, inputs, weights, plan, backward=False)
+            errors = [scale_error(out, reference[0])] + [float("nan")] * 5
+        r["peak_mib"] = ((torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda"
+                         else float("nan"))
+        r.update(zip(TERMS, errors))
+        results.append(r)
+        print("RESULT " + json.dumps(r), flush=True)
+    compiled_regions(gdn, False)
+    return results
+
+
+_REGIONS: dict = {}
+
+
+def compiled_regions(gdn, on: bool) -> None:
+    """Swap grpo.gdn's state-free regions between eager and torch.compile'd (compiled once, kept for reuse)."""
+    if not _REGIONS:
+        _REGIONS["eager"] = (gdn._chunk_prepare, gdn._chunk_output)
+    if on and "compiled" not in _REGIONS:
+        gdn.compile_chunk_regions()
+        _REGIONS["compiled"] = (gdn._chunk_prepare, gdn._chunk_output)
+    gdn._chunk_prepare, gdn._chunk_output = _REGIONS["compiled" if on else "eager"]
+
+
+def padded_reference():
+    from grpo import gdn
+
+    def run(q, k, v, g, beta, plan):
+        rep = v.shape[1] // q.shape[1]
+        return gdn.tree_chunk_gated_delta_rule(gdn.sequential_gated_delta_rule, q.repeat_interleave(rep, 1),
+                                               k.repeat_interleave(rep, 1), v, g, beta, plan)
+    return run
+
+
+def print_table(results: list[dict]) -> None:
+    head = (f"{'row':<6} {'variant':<15} {'fwd ms':>8} {'fwd+bwd':>8} {'x layers':>9} {'peak MiB':>9} "
+            + " ".join(f"{t:>8}" for t in TERMS) + "  note")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in results:
+        print(f"{r['row']:<6} {r['variant']:<15} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} "
+              f"{r['fwd_bwd_ms'] * r['layers']:>9.1f} {r['peak_mib']:>9.0f} "
+              + " ".join(f"{r[t]:>8.1e}" for t in TERMS) + f"  {r['note']}")
+    print("errors: max |x - ref| / max |ref|, ref = sequential in fp32 on the same inputs; outputs and gradients "
+          "are bf16 (the inputs' dtype), so the `sequential` row (bf16 in/out) is the floor. x layers = fwd+bwd x "
+          "GDN layers (ms per step); peak MiB = CUDA memory above the inputs during fwd+bwd")
+
+
+def main() -> None:
+    import torch
+
+    from bench_step import SHAPES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="Qwen3.5-2B", choices=[s for s, (kind, _) in SHAPES.items() if kind == "qwen3_5"])
+    p.add_argument("--rows", nargs="+", default=["tree", "plain"], choices=["tree", "plain"])
+    p.add_argument("--variants", nargs="+",
+                   default=["torch", "torch-fp32mm", "sequential", "transformers", "fla"],
+                   choices=["torch", "torch-fp32mm", "torch-compiled", "sequential", "transformers", "fla"])
+    p.add_argument("--compile", action="store_true", help="also time torch-compiled (runs last: it compiles "
+                                                          "grpo.gdn's regions for the rest of the process)")
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=1068)
+    p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if args.compile and "torch-compiled" not in args.variants:
+        args.variants.append("torch-compiled")
+    if "torch-compiled" in args.variants:  # after every eager variant
+        args.variants = [v for v in args.variants if v != "torch-compiled"] + ["torch-compiled"]
+    device = torch.device(args.device)
+    text = SHAPES[args.shape][1]
+    dims = (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
+            text["linear_value_head_dim"])
+    n_layers = sum(t == "linear_attention" for t in text["layer_types"])
+    versions = f"torch {torch.__version__}"
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        versions += f", triton {triton.__version__}"
+    if importlib.util.find_spec("fla") is not None:
+        import fla
+
+        versions += f", fla {getattr(fla, '__version__', '?')}"
+    gpu = torch.cuda.get_device_name(device) + f" sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}" \
+        if device.type == "cuda" else "cpu"
+    print(f"{args.shape} GDN: H_k={dims[0]} H_v={dims[1]} D_k={dims[2]} D_v={dims[3]}, {n_layers} GDN layers; "
+          f"{gpu}; {versions}", flush=True)
+    results = []
+    for kind in args.rows:
+        results += bench_row(kind, build_row(args, shared=kind == "tree"), args, device, dims, n_layers)
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
