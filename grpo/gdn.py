@@ -379,6 +379,13 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = CHUNK, 
     intra-chunk and state-read matmuls take `matmul_dtype` operands: by default bf16 for bf16 inputs (as FLA's
     kernels do; fp32 accumulation), else fp32.
     """
+    with torch.autocast(query.device.type, enabled=False):  # dtypes are explicit here
+        return _chunk_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel, matmul_dtype)
+
+
+def _chunk_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                matmul_dtype):
     acc = _accumulation_dtype(query, key, value, initial_state)
     mm = matmul_dtype or (torch.bfloat16 if query.dtype == torch.bfloat16 else acc)
     batch, length, heads, d_k = key.shape
