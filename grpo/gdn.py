@@ -550,8 +550,9 @@ _KERNEL_CHOICE: dict = {}  # (device type, device index, choice) -> (GdnKernels,
 
 def gdn_kernels(choice: str, device: torch.device):
     """(GdnKernels, FLA's varlen rule or None) for `choice` on `device`: `choose_gdn_kernels` on this machine's
-    facts; with auto, FLA's directions must also pass a small probe (a failure moves them to torch). Decided
-    once per device and choice, and logged once (INFO: which kernel runs forward and backward, and why)."""
+    facts; with auto, an FLA backward must also pass a small forward + backward probe (a failure moves it, or
+    both directions, to torch). Decided once per device and choice, and logged once (INFO: which kernel runs
+    forward and backward, and why)."""
     key = (device.type, device.index, choice)
     if key in _KERNEL_CHOICE:
         return _KERNEL_CHOICE[key]
@@ -572,14 +573,13 @@ def gdn_kernels(choice: str, device: torch.device):
         kernels = choose_gdn_kernels(choice, device.type, fla_rule is not None, triton_version, capability)
     except ImportError as exc:
         raise ImportError(f"{exc} ({import_error})") from import_error
-    if choice == "auto" and kernels.forward == "fla":
+    if choice == "auto" and kernels.backward == "fla":  # (fla, torch): no probe, training never compiles FLA
         try:
-            _probe(fla_rule, device, backward=kernels.backward == "fla")
+            _probe(fla_rule, device, backward=True)
         except Exception as exc:  # noqa: BLE001 - any kernel failure means: use the torch path
             failed = f"FLA's kernel failed a probe ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
             kernels = (GdnKernels("fla", "torch", f"{kernels.reason}; backward: {failed}")
-                       if kernels.backward == "fla" and _forward_probe_passes(fla_rule, device)
-                       else GdnKernels("torch", "torch", failed))
+                       if _forward_probe_passes(fla_rule, device) else GdnKernels("torch", "torch", failed))
     log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
     _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
     return _KERNEL_CHOICE[key]

@@ -541,3 +541,35 @@ def test_torch_path_never_reaches_importable_fla(tiny_models):
         assert result["grad_norms"].keys() == here["grad_norms"].keys()
         torch.testing.assert_close(torch.tensor(list(result["grad_norms"].values())),
                                    torch.tensor(list(here["grad_norms"].values())), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("triton_version, expected, probed", [("3.6.0", ("fla", "torch"), False),
+                                                             ("3.7.1", ("fla", "fla"), True)])
+def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, expected, probed):
+    """`gdn_kernels` feeds the rule the installed Triton's version and the device's capability (faked here: a
+    Hopper GPU, an importable fla), probes FLA only for a backward it would run, and logs the choice once."""
+    import logging
+    import sys
+    import types
+
+    import triton
+
+    import grpo.gdn as gdn
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = lambda *a, **k: None
+    for name, module in [("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.gated_delta_rule", fake)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gdn, "_KERNEL_CHOICE", {})
+    probes = []
+    monkeypatch.setattr(gdn, "_probe", lambda rule, device, backward: probes.append(backward))
+    with caplog.at_level(logging.INFO, logger="grpo.gdn"):
+        kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0))
+        assert gdn.gdn_kernels("auto", torch.device("cuda", 0)) == (kernels, rule)
+    assert (kernels.forward, kernels.backward) == expected and rule is fake.chunk_gated_delta_rule
+    assert probes == ([True] if probed else [])
+    lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet recurrence" in r.getMessage()]
+    assert len(lines) == 1 and f"backward {'fla varlen' if probed else 'torch chunked'}" in lines[0], lines
