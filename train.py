@@ -256,6 +256,8 @@ def step_is_finite(grad_norm, losses) -> bool:
     ranks must agree, or one would step while another skips)."""
     import torch
 
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: clip_grad_norm_ returns a (replicated) DTensor
+        grad_norm = grad_norm.full_tensor()
     flag = torch.isfinite(grad_norm.detach().float()).all()
     for loss in losses:
         flag = flag & torch.isfinite(loss.float()).all()

@@ -180,11 +180,11 @@ class AsyncGRPOConfig:
     max_dropped_groups_in_a_row: int = 256
     """Stop with a named error after this many groups in a row are dropped at scoring with none kept (rewards all
     equal or all None/NaN: GRPO gets no signal). 0 disables the check."""
-    env_reset_retries: int = 1
-    """Retries of an environment whose reset() (or constructor) raises, each on a fresh instance; when they fail
     max_nonfinite_steps_in_a_row: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (no optimizer or scheduler step, no weight sync;
     counted in `train/skipped_nonfinite_count`); this many in a row stop the run with `NonFiniteStepError`."""
+    env_reset_retries: int = 1
+    """Retries of an environment whose reset() (or constructor) raises, each on a fresh instance; when they fail
     too, the prompt is dropped: counted (`rollout/dropped_env_reset_failed_count`), warned about, and recorded in
     dropped_prompts.jsonl with reason env_reset_failed. 0 = drop at the first failure."""
 

@@ -344,7 +344,12 @@ def init_engine(control, timeout: float) -> bool:
         if exc.status == 404:  # no dev routes: the fallback cannot help, and the hint says why
             raise
         log.info("ipc engine refused init_info {'packed': true} (%s); per-tensor layout", exc.message[:200])
-    control.init_weight_transfer_engine({}, timeout=timeout)
+    import httpx
+
+    try:
+        control.init_weight_transfer_engine({}, timeout=timeout)
+    except httpx.TransportError:  # vLLM 0.26 resets the kept-alive connection after the refusal's 500: once more
+        control.init_weight_transfer_engine({}, timeout=timeout)
     return False
 
 

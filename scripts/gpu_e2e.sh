@@ -55,6 +55,13 @@ if [ -f .gpuvllm/device_serve.sh ]; then
   printf 'Metadata-Version: 2.1\nName: async-grpo\nVersion: 0.1.0\n' > /tmp/site/async_grpo-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\ngrpo_cpu_weight_transfer = grpo.vllm_plugin:register\n' \
     > /tmp/site/async_grpo-0.1.0.dist-info/entry_points.txt
+  # vLLM 0.26's ipc_engine.py imports ray at the top, for its trainer-side ray send mode only (the bundle has no
+  # ray). The server side never calls it: a placeholder module lets the engine load.
+  if ! python3 -c "import ray" 2>/dev/null; then
+    mkdir -p /tmp/site/ray
+    printf '%s\n' '"""Placeholder: vLLM 0.26 ipc_engine imports ray at module level; only its ray send mode uses it."""' \
+      'def is_initialized():' '    return False' > /tmp/site/ray/__init__.py
+  fi
 else  # a machine with `pip install -r requirements.txt && pip install -e .` done: vllm on PATH, plugin registered
   vllm_serve() { local m=$1 p=$2; shift 2; VLLM_SERVER_DEV_MODE=1 vllm serve "$m" --port "$p" --host 127.0.0.1 \
       --dtype bfloat16 --gpu-memory-utilization "$GPUVLLM_GPU_UTIL" --max-model-len 2048 "$@" > "$OUT/vllm_$p.log" 2>&1 &
