@@ -3,28 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
-import torch
-
-from grpo.losses import LossInputs, LossOutput, register_loss, standard_metrics
 
 from .test_run_faults import ENV, REPO, records, train_cmd, within
-
-
-@dataclass(frozen=True)
-class NaNOptions:
-    pass
-
-
-@register_loss("nan_reinforce", NaNOptions())
-def nan_reinforce(inputs: LossInputs, opts: NaNOptions) -> LossOutput:
-    """REINFORCE whose terms are all NaN: what an overflow anywhere upstream of the loss looks like."""
-    kept = inputs.sampler_logprobs > -9999.0
-    terms = -inputs.advantages * inputs.policy_logprobs * float("nan")
-    ratio = (inputs.policy_logprobs.detach() - inputs.sampler_logprobs).exp()
-    return LossOutput(terms, "token", kept, standard_metrics(inputs, ratio, kept, ratio, kept, 0.8, 1.2))
 
 
 def run(cmd, timeout: float, env=None):
@@ -40,7 +21,7 @@ def test_nonfinite_steps_are_skipped_then_stop_named_and_the_server_stays_clean(
     out = tmp_path / "bad"
     cmd = train_cmd(faults_server.base_url, out, "--max-steps", "6", "--max-nonfinite-steps-in-a-row", "3",
                     "loss:nan-reinforce")
-    bad = run(cmd, timeout=400, env=ENV | {"GRPO_LOSS_MODULES": "faults.test_nonfinite"})
+    bad = run(cmd, timeout=400, env=ENV | {"GRPO_LOSS_MODULES": "faults.nan_loss"})
     text = bad.stdout + bad.stderr
     assert bad.returncode != 0
     assert "NonFiniteStepError" in text and "3 steps in a row" in text and "nothing was synced" in text, text[-4000:]
