@@ -46,6 +46,9 @@ def test_quick_start_accuracy_reward_trains_in_the_rollout_worker(faults_server,
     in the worker, groups must carry signal, and >= 5 steps train; no verifier process outlives the run."""
     import psutil
 
+    from .test_nan_server import nan_then_clean_sync
+
+    nan_then_clean_sync(faults_server.base_url, tiny_qwen3, nan=False)  # earlier tests trained the shared server
     rows = greedy_answer_rows(faults_server.base_url, tiny_qwen3)
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
