@@ -12,12 +12,14 @@ pause -> start -> ... -> finish -> resume:
         the answer means the server has loaded the bucket (vLLM's worker synchronises its device before it
         returns): drop the buffer
 
-Wire layout, detected once at init from what the server's engine accepts (no version numbers):
-- packed: `/init_weight_transfer_engine {"packed": true}` is accepted (vLLM >= 0.28, where `packed` moved into
-  init_info): one IPC handle for the bucket plus `tensor_sizes`; the engine clones each tensor out of it.
-- per tensor: the engine's init_info takes no `packed` (older engines, e.g. 0.26): init with {} and send one
-  handle per tensor, views of the same bucket buffer (the server maps the buffer once: torch's IPC storage cache).
-  Every engine that accepts `ipc_handles_pickled` reads this layout.
+Wire layout, detected from what the server's engine accepts (no version numbers), best first:
+- packed: `/init_weight_transfer_engine {"packed": true}` is accepted (vLLM >= 0.28, where `packed` is a wire
+  parameter of the init): one IPC handle per bucket plus `tensor_sizes`; the engine clones each tensor out of it.
+- packed per update: the init takes no `packed` but each update does (vLLM 0.26's engine: `packed: true` in
+  update_info): the same one-handle bucket, flagged in every /update_weights. Tried on the first bucket; an
+  engine that refuses the field gets that bucket again per tensor, and per tensor from then on.
+- per tensor: one handle per tensor, views of the same bucket buffer (the server maps the buffer once: torch's
+  IPC storage cache). Every engine that accepts `ipc_handles_pickled` reads this layout.
 Each handle is `{gpu_uuid: rebuild_cuda_tensor args}` as `torch.multiprocessing.reductions.reduce_tensor` makes
 them; the engine looks its own device's UUID up in it.
 
@@ -41,6 +43,7 @@ import logging
 import math
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -309,11 +312,17 @@ def pickle_handles(handles) -> str:
     return base64.b64encode(pickle.dumps(handles)).decode("ascii")
 
 
+PACKED, PACKED_PER_UPDATE, PER_TENSOR = "packed", "packed per update", "per tensor"
+"""The wire layouts (module docstring), best first."""
+
+
 def packed_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]], tensor_sizes: list[int],
-                       handle: dict) -> dict:
-    """One bucket, packed layout: one handle for the buffer, `tensor_sizes` bytes per tensor in order."""
-    return {"names": names, "dtype_names": dtype_names, "shapes": shapes, "tensor_sizes": tensor_sizes,
+                       handle: dict, flag: bool = False) -> dict:
+    """One bucket, packed layout: one handle for the buffer, `tensor_sizes` bytes per tensor in order; `flag` adds
+    `packed: true` (the layout flagged per update, for engines whose init takes no `packed`)."""
+    info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "tensor_sizes": tensor_sizes,
             "ipc_handles_pickled": pickle_handles(handle)}
+    return {**info, "packed": True} if flag else info
 
 
 def per_tensor_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]],
@@ -329,8 +338,9 @@ def share_handle(tensor: torch.Tensor) -> tuple:
     return reduce_tensor(tensor)[1]
 
 
-def init_engine(control, timeout: float) -> bool:
-    """Open the server's ipc engine; True = packed layout (its init_info takes `packed`), False = per tensor.
+def init_engine(control, timeout: float) -> str:
+    """Open the server's ipc engine: PACKED when its init_info takes `packed`, else PACKED_PER_UPDATE (to be tried
+    on the first bucket, `IpcChannel.send`).
 
     A refused `packed` answers 500 (the worker's init_info dataclass rejects the field; the server lives on). Any
     refusal but a missing route falls back to {}, so an engine whose error text differs is still detected; a
@@ -339,18 +349,19 @@ def init_engine(control, timeout: float) -> bool:
 
     try:
         control.init_weight_transfer_engine({"packed": True}, timeout=timeout)
-        return True
+        return PACKED
     except VLLMServerError as exc:
         if exc.status == 404:  # no dev routes: the fallback cannot help, and the hint says why
             raise
-        log.info("ipc engine refused init_info {'packed': true} (%s); per-tensor layout", exc.message[:200])
+        log.info("ipc engine refused init_info {'packed': true} (%s); trying `packed` per update",
+                 exc.message[:200])
     import httpx
 
     try:
         control.init_weight_transfer_engine({}, timeout=timeout)
     except httpx.TransportError:  # vLLM 0.26 resets the kept-alive connection after the refusal's 500: once more
         control.init_weight_transfer_engine({}, timeout=timeout)
-    return False
+    return PACKED_PER_UPDATE
 
 
 @dataclass
@@ -358,12 +369,18 @@ class IpcChannel:
     """Rank 0's sending side of one server's ipc engine (`open` it once, then `send` every sync)."""
 
     control: object
-    packed: bool
+    layout: str  # PACKED, PACKED_PER_UPDATE (until an engine refuses it) or PER_TENSOR
     uuid: str
     bucket_bytes: int
     timeout: float
     device: torch.device | None
     buckets_sent: int = 0
+    fill_s: float = 0.0  # of the last send: gathering + casting + copying into buckets
+    post_s: float = 0.0  # of the last send: the /update_weights calls (the server rebuilds, clones and loads)
+
+    @property
+    def packed(self) -> bool:
+        return self.layout != PER_TENSOR
 
     def send(self, plan) -> int:
         """Every tensor of `plan` in buckets, each POSTed and answered before the next is built. Returns bytes."""
@@ -377,12 +394,15 @@ class IpcChannel:
             starts.append(starts[-1] + len(group.names))
         group_bytes = [sum(sizes[a:b]) for a, b in zip(starts, starts[1:])]
         source = plan.iter_tensors(self.device)
-        sent = 0
+        sent, self.fill_s, self.post_s = 0, 0.0, 0.0
         for groups in plan_buckets(group_bytes, self.bucket_bytes):
             indices = range(starts[groups.start], starts[groups.stop])
+            t0 = time.perf_counter()
             buffer, offsets = self._fill(source, manifest, indices, sizes, dtypes)
-            self.control.update_weights(self._update_info(buffer, offsets, manifest, indices, sizes, dtypes),
-                                        timeout=self.timeout)
+            t1 = time.perf_counter()
+            self._post(buffer, offsets, manifest, indices, sizes, dtypes)
+            self.fill_s += t1 - t0
+            self.post_s += time.perf_counter() - t1
             sent += buffer.numel()
             self.buckets_sent += 1
             del buffer  # the server answered: it has loaded this bucket (see the module docstring on lifetime)
@@ -393,18 +413,36 @@ class IpcChannel:
             raise ValueError(f"weight source yielded {leftover[0]!r} beyond the manifest's {len(sizes)} entries")
         return sent
 
+    def _post(self, buffer: torch.Tensor, offsets: list[int], manifest: dict, indices: range, sizes: list[int],
+              dtypes: list[torch.dtype]) -> None:
+        """POST one bucket; the first one flagged `packed` per update tells whether the engine takes that field."""
+        from grpo.vllm_client import VLLMServerError
+
+        info = self._update_info(buffer, offsets, manifest, indices, sizes, dtypes)
+        if self.layout != PACKED_PER_UPDATE or self.buckets_sent:
+            return self.control.update_weights(info, timeout=self.timeout)
+        try:
+            return self.control.update_weights(info, timeout=self.timeout)
+        except VLLMServerError as exc:
+            if exc.status == 404 or "packed" not in exc.message:
+                raise
+            log.info("ipc engine refused `packed` in update_info (%s): per-tensor layout from now on", exc.message[:200])
+        self.layout = PER_TENSOR
+        buffer, offsets = _realigned(buffer, offsets, [sizes[i] for i in indices])
+        info = self._update_info(buffer, offsets, manifest, indices, sizes, dtypes)
+        try:
+            self.control.update_weights(info, timeout=self.timeout)
+        except _transport_error():  # vLLM 0.26 resets the kept-alive connection after a 500: once more
+            self.control.update_weights(info, timeout=self.timeout)
+
     def _fill(self, source: Iterator, manifest: dict, indices: range, sizes: list[int],
               dtypes: list[torch.dtype]) -> tuple[torch.Tensor, list[int]]:
         """Pull the bucket's tensors (this gathers them) into one fresh uint8 buffer: ([bytes], offsets)."""
         from grpo.nccl_broadcast import _checked_flat
 
         align = 1 if self.packed else PER_TENSOR_ALIGN  # packed: vLLM cuts tensor_sizes back to back
-        offsets, end = [], 0
-        for i in indices:
-            end = -(-end // align) * align
-            offsets.append(end)
-            end += sizes[i]
-        buffer = torch.empty(end, dtype=torch.uint8, device=self.device)
+        offsets = _offsets([sizes[i] for i in indices], align)
+        buffer = torch.empty(offsets[-1] + sizes[indices[-1]] if offsets else 0, dtype=torch.uint8, device=self.device)
         for i, offset in zip(indices, offsets):
             flat = _checked_flat(next(source, None), manifest, i, dtypes[i])
             buffer[offset:offset + sizes[i]].copy_(flat)
@@ -420,9 +458,35 @@ class IpcChannel:
         shapes = [list(manifest["shapes"][i]) for i in indices]
         if self.packed:
             return packed_update_info(names, dtype_names, shapes, [sizes[i] for i in indices],
-                                      {self.uuid: share_handle(buffer)})
+                                      {self.uuid: share_handle(buffer)}, flag=self.layout == PACKED_PER_UPDATE)
         views = [buffer[o:o + sizes[i]].view(dtypes[i]).view(manifest["shapes"][i]) for i, o in zip(indices, offsets)]
         return per_tensor_update_info(names, dtype_names, shapes, [{self.uuid: share_handle(v)} for v in views])
+
+
+def _offsets(sizes: list[int], align: int) -> list[int]:
+    offsets, end = [], 0
+    for size in sizes:
+        end = -(-end // align) * align
+        offsets.append(end)
+        end += size
+    return offsets
+
+
+def _realigned(buffer: torch.Tensor, offsets: list[int], sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A back-to-back bucket copied into a per-tensor one (each tensor at a PER_TENSOR_ALIGN boundary)."""
+    new_offsets = _offsets(sizes, PER_TENSOR_ALIGN)
+    out = torch.empty(new_offsets[-1] + sizes[-1] if sizes else 0, dtype=torch.uint8, device=buffer.device)
+    for old, new, size in zip(offsets, new_offsets, sizes):
+        out[new:new + size].copy_(buffer[old:old + size])
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()
+    return out, new_offsets
+
+
+def _transport_error():
+    import httpx
+
+    return httpx.TransportError
 
 
 def open_channel(control, view: ServerView, info: dict, plan, model: torch.nn.Module, bucket_bytes: int,
@@ -457,8 +521,8 @@ def open_channel(control, view: ServerView, info: dict, plan, model: torch.nn.Mo
                      "%.1f) fits", fraction, memory.total_bytes / 2**30, memory.trainer_bytes / 2**30,
                      memory.trainer_peak_bytes / 2**30, memory.transfer_bytes / 2**30, memory.context_bytes / 2**30)
     uuid = device_uuid(device) if on_cuda else "cpu"
-    packed = init_engine(control, timeout)
-    log.info("ipc engine of %s: %s layout, buckets of up to %.0f MiB (%d tensors, %.0f MiB per sync)", view.url,
-             "packed (one handle per bucket)" if packed else "per-tensor (its init_info takes no `packed`)",
+    layout = init_engine(control, timeout)
+    log.info("ipc engine of %s: %s layout%s, buckets of up to %.0f MiB (%d tensors, %.0f MiB per sync)", view.url,
+             layout, " (one handle per bucket)" if layout == PACKED else " to be tried on the first bucket",
              bucket / 2**20, len(sizes), sum(sizes) / 2**20)
-    return IpcChannel(control, packed, uuid, bucket, timeout, device)
+    return IpcChannel(control, layout, uuid, bucket, timeout, device)

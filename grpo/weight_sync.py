@@ -158,6 +158,7 @@ class WeightSync:
         self.plan: SendPlan | None = None
         self.mode = config.mode
         self.ipc = None  # grpo.ipc_transfer.IpcChannel (rank 0, mode ipc)
+        self._transfer_times: dict[str, float] = {}  # ipc: where the last transfer's seconds went (rank 0)
         if config.mode == "ipc":  # refused before anything is sent: the handles travel pickled
             from grpo.ipc_transfer import require_loopback
 
@@ -272,7 +273,7 @@ class WeightSync:
         return {"perf/weight_sync_s": time.perf_counter() - t0,
                 "perf/weight_sync_pause_s": t_paused - t0,
                 "perf/weight_sync_barrier_s": t_barrier - t_paused,
-                "perf/weight_sync_transfer_s": t_sent - t_barrier}
+                "perf/weight_sync_transfer_s": t_sent - t_barrier, **self._transfer_times}
 
     def _each(self, what: str, version: int, call: Callable) -> None:
         """POST /pause or /resume to every alive server; a failure becomes a WeightSyncError naming the URL and the
@@ -352,10 +353,17 @@ class WeightSync:
         (i,) = self.alive()
         control, started = self.controls[i], False
         try:
+            t0 = time.perf_counter()
             control.start_weight_update()
             started = True
+            t_started = time.perf_counter()
             self.ipc.send(self.plan)
+            t_sent = time.perf_counter()
             control.finish_weight_update(weight_version=str(version))
+            self._transfer_times = {"perf/weight_sync_start_s": t_started - t0,
+                                    "perf/weight_sync_fill_s": self.ipc.fill_s,
+                                    "perf/weight_sync_update_s": self.ipc.post_s,
+                                    "perf/weight_sync_finish_s": time.perf_counter() - t_sent}
             if self.ipc.device is not None and self.ipc.device.type == "cuda":
                 torch.cuda.ipc_collect()  # the server let go of the last bucket at finish
         except Exception as exc:

@@ -114,6 +114,10 @@ def summary(run: Path) -> dict:
             "reward_first": mean(rows[:5], "reward"), "reward_last": mean(rows[-5:], "reward")}
 
 
+SYNC_PARTS = ["perf/weight_sync_pause_s", "perf/weight_sync_barrier_s", "perf/weight_sync_start_s",
+              "perf/weight_sync_fill_s", "perf/weight_sync_update_s", "perf/weight_sync_finish_s"]
+
+
 def steady(run: Path, warmup: int) -> dict:
     """Per-step means over the steps after the first `warmup` (compile, first syncs, queue filling), which are
     reported apart."""
@@ -125,6 +129,8 @@ def steady(run: Path, warmup: int) -> dict:
             "train_s": mean(rest, "perf/fwd_bwd_s") + mean(rest, "perf/optimizer_s"),
             "sync_s": sum(syncs) / len(syncs) if syncs else float("nan"), "sync_max_s": max(syncs, default=math.nan),
             "sync_transfer_s": mean(rest, "perf/weight_sync_transfer_s"),
+            "sync_parts": {k.removeprefix("perf/weight_sync_").removesuffix("_s"): mean(rest, k) for k in SYNC_PARTS
+                           if any(r.get(k) is not None for r in rest)},
             "syncs": 1 + sum(r.get("perf/weight_sync_s") is not None for r in rows)}  # + the cold one
 
 
@@ -133,16 +139,19 @@ def report(out: Path, warmup: int, sync_target_s: float) -> int:
     S = sync step / async step, the overlap bench's (<workload>/overlap.json) G, T, G_c, T_c, L, L_c, and the acceptance targets."""
     setup = json.loads((out / "setup.json").read_text()) if (out / "setup.json").exists() else {}
     print(f"\n==== one-GPU report: {out} {json.dumps(setup)}")
-    failed = 0
+    failed, seen = 0, 0
     for workload in sorted(d.name for d in out.iterdir() if d.is_dir() and any(
             (d / x).exists() for x in ("async", "sync", "overlap.json"))):
         print(f"\n-- workload {workload}")
         runs = {name: steady(out / workload / name, warmup) for name in ("async", "sync")
                 if (out / workload / name / "metrics.jsonl").exists()}
+        seen += len(runs) + (out / workload / "overlap.json").exists()
         for name, r in runs.items():
             print(f"{name:5s}: step {r['step_s']:.3f} s (steady, {r['steps'] - warmup} steps; warm-up "
                   f"{r['warmup_step_s']}), rollout wait {r['rollout_wait_s']:.3f} s, train {r['train_s']:.3f} s, "
                   f"weight sync {r['sync_s']:.3f} s mean / {r['sync_max_s']:.3f} max ({r['syncs']} syncs)")
+            if r["sync_parts"]:
+                print("       weight sync parts (mean s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["sync_parts"].items()))
             ok = r["sync_s"] <= sync_target_s
             failed += not ok
             print(f"{'PASS' if ok else 'FAIL'} {name}: weight sync {r['sync_s']:.3f} s per sync <= {sync_target_s} s")
@@ -163,6 +172,9 @@ def report(out: Path, warmup: int, sync_target_s: float) -> int:
                   f"L_c = (G+T)/max(G_c,T_c) = {b['L_c']:.2f}")
             print("  warm-up reps: " + ", ".join(f"{k} {[round(x, 3) for x in v['warmup_s']]}"
                                                  for k, v in b["phases"].items()))
+    if not seen:  # nothing ran (a run that died before its first metric, a wrong folder): not a success
+        failed += 1
+        print(f"FAIL no run and no overlap bench found under {out}")
     print(f"\nreport: {'all targets met' if not failed else f'{failed} target(s) missed'}")
     return 1 if failed else 0
 

@@ -83,14 +83,15 @@ def small_model(seed: int = 0):
 
 
 # ---- the request body against vLLM's own parser ------------------------------------------------------------------
-@pytest.mark.parametrize("packed", [True, False])
-def test_update_info_is_what_vllms_ipc_engine_parses(monkeypatch, packed):
+@pytest.mark.parametrize("layout", [ipc.PACKED, ipc.PER_TENSOR])
+def test_update_info_is_what_vllms_ipc_engine_parses(monkeypatch, layout):
     engine = vllm_ipc_engine()
     fake = FakeIpc()
     monkeypatch.setattr(ipc, "share_handle", fake.share)
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     plan = build_plan(small_model(), torch.bfloat16)
-    channel = ipc.IpcChannel(control=None, packed=packed, uuid="8f2d-uuid", bucket_bytes=1 << 30, timeout=5,
+    packed = layout == ipc.PACKED
+    channel = ipc.IpcChannel(control=None, layout=layout, uuid="8f2d-uuid", bucket_bytes=1 << 30, timeout=5,
                              device=None)
     manifest = plan.manifest
     dtypes = [getattr(torch, d) for d in manifest["dtype_names"]]
@@ -130,10 +131,13 @@ def test_buckets_hold_whole_groups_in_order():
 class StandInServer:
     """The routes WeightSync calls on a vLLM server with the ipc backend, in a thread. Parses every update with
     vLLM's own parser and rebuilds it through FakeIpc; `old_engine` answers an init carrying `packed` the way an
-    engine whose init_info has no such field does; `die_on` / `hang_on` break the n-th update."""
+    engine whose init_info has no such field does, and then either takes `packed` in each update
+    (`old_engine="per update"`, as vLLM 0.26's engine) or refuses it there too (`"per tensor"`, answering as vLLM's
+    worker does: a 500 naming the field); `die_on` / `hang_on` break the n-th update."""
 
-    def __init__(self, fake: FakeIpc, old_engine=False, die_on=None, hang_on=None, backend="ipc"):
+    def __init__(self, fake: FakeIpc, old_engine=None, die_on=None, hang_on=None, backend="ipc"):
         self.fake, self.old_engine, self.die_on, self.hang_on = fake, old_engine, die_on, hang_on
+        self.layouts = []  # per update: "packed" (one handle) or "per tensor"
         self.engine = vllm_ipc_engine()
         self.calls, self.received, self.alive_at_update, self.init_infos = [], {}, [], []
         self.info = {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"},
@@ -178,8 +182,14 @@ class StandInServer:
                         return
                     if n == server.hang_on:
                         time.sleep(30)
+                    info = dict(body["update_info"])
+                    if info.pop("packed", None) is not None and server.old_engine != "per update":
+                        return self.reply({"error": {"message": "Call to collective_rpc method failed: Invalid "
+                                           "update_info for IPCWeightTransferEngine: IPCWeightTransferUpdateInfo."
+                                           "__init__() got an unexpected keyword argument 'packed'"}}, 500)
                     server.alive_at_update.append(server.fake.alive())
-                    parsed = server.engine.parse_update_info(body["update_info"])
+                    parsed = server.engine.parse_update_info(info)
+                    server.layouts.append("packed" if parsed.tensor_sizes is not None else "per tensor")
                     server.received.update(unpack(parsed, server.fake, "cpu"))
                     route = "update"
                 elif route == "finish_weight_update":
@@ -205,25 +215,33 @@ def fake_ipc(monkeypatch):
     return fake
 
 
-@pytest.mark.parametrize("old_engine", [False, True], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("old_engine", [None, "per update", "per tensor"], ids=["packed", "packed_per_update",
+                                                                             "per_tensor"])
 def test_ipc_sync_sends_every_weight_in_buckets_one_alive_at_a_time(fake_ipc, old_engine):
     server = StandInServer(fake_ipc, old_engine=old_engine)
     try:
         model = small_model()
         sync = WeightSync(server.base_url, WeightSyncConfig(mode="ipc", timeout=10, ipc_bucket_bytes=40_000))
         sync.init(model)
-        assert sync.mode == "ipc" and sync.ipc.packed == (not old_engine)
+        assert sync.mode == "ipc"
         assert server.init_infos == ([{"packed": True}, {}] if old_engine else [{"packed": True}])
-        timings = sync.sync(model, version=5)
-        buckets = sync.ipc.buckets_sent
-        assert buckets >= 4  # 3 layers + embeddings + head in 40 kB buckets
-        assert server.calls == ["pause", "start", *["update"] * buckets, "finish:5", "resume"]
-        assert server.alive_at_update == [1] * buckets  # the bucket being read, never an earlier one
         expected = dict(sync.plan.iter_tensors())
-        assert list(server.received) == list(expected)
-        for name, tensor in expected.items():
-            assert torch.equal(server.received[name], tensor), name
-        assert timings["perf/weight_sync_transfer_s"] > 0
+        for version in (5, 6):  # the second sync keeps the layout the first one found
+            server.calls.clear(), server.received.clear(), server.alive_at_update.clear(), server.layouts.clear()
+            timings = sync.sync(model, version=version)
+            buckets = len(server.layouts)
+            assert buckets >= 4  # 3 layers + embeddings + head in 40 kB buckets
+            assert server.layouts == ["per tensor" if old_engine == "per tensor" else "packed"] * buckets
+            assert sync.ipc.layout == {None: ipc.PACKED, "per update": ipc.PACKED_PER_UPDATE,
+                                       "per tensor": ipc.PER_TENSOR}[old_engine]
+            refused = old_engine == "per tensor" and version == 5  # the first bucket, once, then again per tensor
+            assert server.calls == ["pause", "start", *["update"] * buckets, f"finish:{version}", "resume"]
+            assert server.alive_at_update == [1 + refused] + [1] * (buckets - 1)  # + the refused bucket's buffer
+            assert list(server.received) == list(expected)
+            for name, tensor in expected.items():
+                assert torch.equal(server.received[name], tensor), name
+            assert timings["perf/weight_sync_transfer_s"] > 0
+            assert timings["perf/weight_sync_update_s"] > 0 and timings["perf/weight_sync_fill_s"] > 0
         sync.close()
     finally:
         server.stop()

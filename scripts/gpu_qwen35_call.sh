@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call for Qwen3.5 on a GPU (README "Qwen3.5 on a GPU"): the GDN kernels alone (scripts/bench_gdn.py),
+# the GPU tests and the real trainer step (scripts/bench_step.py, Qwen3.5-2B shape, tree and plain), first WITHOUT
+# fla-core, then WITH it (FLA_WHEELS: a folder of wheels with fla-core; its gated backward is refused on Triton
+# >= 3.4, < 3.7.1 on Hopper, so the step must fall back to the torch backward there and not crash).
+#   bash scripts/gpu_qwen35_call.sh        # logs and JSON under $OUT
+# Knobs (env): FLA_GDN=1 (bench_gdn in the fla phase too)  FLA_WHEELS=.whlfla  PHASES="nofla fla"  STEPS=3  RATIOS="3.4 1"  GDN_VARIANTS="torch torch-compiled"
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl >/dev/null 2>&1; then  # an offline machine: tyro & co. as carried wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+BASE_PATH=/tmp/site:$PWD:$PWD/scripts
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+STEPS=${STEPS:-3}; RATIOS=${RATIOS:-3.4 1}
+for PHASE in ${PHASES:-nofla fla}; do
+  export PYTHONPATH=$BASE_PATH
+  if [ "$PHASE" = fla ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_fla \
+      "${FLA_WHEELS:-.whlfla}"/*.whl || { echo "no fla-core wheel in ${FLA_WHEELS:-.whlfla}"; exit 1; }
+    export PYTHONPATH=/tmp/site_fla:$BASE_PATH
+    python3 -c "import fla; print('fla', fla.__version__)"
+  fi
+  if [ "$PHASE" = nofla ] || [ -n "${FLA_GDN:-}" ]; then
+  echo "== $PHASE: bench_gdn"
+  timeout "${T_GDN:-150}" python3 scripts/bench_gdn.py --variants ${GDN_VARIANTS:-torch torch-compiled} \
+    $([ "$PHASE" = fla ] && echo fla) --compile --json "$OUT/gdn_$PHASE.json" 2>&1 | tee "$OUT/gdn_$PHASE.log" | tail -12
+  fi
+  echo "== $PHASE: pytest -m gpu"
+  timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_step.py 2>&1 \
+    | tee "$OUT/tests_$PHASE.log" | tail -6
+  echo "== $PHASE: bench_step Qwen3.5-2B"
+  timeout "${T_STEP:-200}" python3 scripts/bench_step.py --shape Qwen3.5-2B --check --ratio $RATIOS --modes tree plain \
+    --steps "$STEPS" --warmup 2 ${STEP_FLAGS:-} --json "$OUT/step_$PHASE.json" 2>&1 \
+    | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/step_$PHASE.log" | grep -v "^ \|^PROFILE\|Self " | tail -14
+done
