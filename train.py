@@ -479,6 +479,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                                         sync_metrics, model.config, peak)
             num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
             step_metrics |= {"num_tokens": num_tokens, "grad_norm": float(grad_norm),
+                             "perf/rollout_wait_s": worker.take_wait_s() if info.is_main else 0.0,
                              "train/skipped_nonfinite_count": float(not stepped),
                              "learning_rate": scheduler.get_last_lr()[0]}
             window.append(step_metrics)

@@ -196,6 +196,7 @@ class RolloutWorker:
         self._inbox: queue_lib.Queue = queue_lib.Queue()
         self._reader_stop = threading.Event()
         self._trainer_metrics: list[tuple[str, Any]] = []
+        self.wait_s = 0.0  # seconds `get` waited since the last `take_wait_s` (the trainer's per-step rollout wait)
         self.ledger = PromptLedger(dataset_start_index, skip_positions)
         self._dropped_in_a_row: Counter[str] = Counter()
         self._stale_since_sample = 0
@@ -307,12 +308,12 @@ class RolloutWorker:
             except queue_lib.Empty:
                 self.waiting.tick(self._waiting_detail())
                 if deadline is not None and time.monotonic() >= deadline:
-                    self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))
+                    self.wait_s += time.perf_counter() - start
                     return None
                 continue
             sample = self._accept(item)
             if sample is not None:
-                self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))
+                self.wait_s += time.perf_counter() - start
                 return sample
 
     def _waiting_detail(self) -> str:
@@ -396,6 +397,11 @@ class RolloutWorker:
     @property
     def consumed_groups(self) -> int:
         return self.ledger.consumed.count
+
+    def take_wait_s(self) -> float:
+        """Seconds the trainer waited for samples since the last call (one step's `perf/rollout_wait_s`)."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         """Everything the worker and `get` pushed since the last call."""
