@@ -573,3 +573,29 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, exp
     assert probes == ([True] if probed else [])
     lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet recurrence" in r.getMessage()]
     assert len(lines) == 1 and f"backward {'fla varlen' if probed else 'torch chunked'}" in lines[0], lines
+
+
+
+def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models):
+    """compile_layer_regions on a GDN model swaps in torch.compile'd state-free regions of the torch kernel (their
+    values and gradients against the eager kernel: scripts/bench_gdn.py --compile on a GPU; compiling them here
+    takes minutes of CPU), and only on a GDN model."""
+    import grpo.gdn as gdn
+    from grpo.model import compile_layer_regions, load_policy
+
+    import sys
+
+    eager = gdn._chunk_prepare, gdn._chunk_output
+    models = {kind: load_policy(str(tiny_models[kind]), "float32") for kind in ("qwen3", "qwen3_5")}
+    modeling = {sys.modules[type(m).__module__] for model in models.values() for m in model.modules()
+                if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")}
+    ropes = {module: module.apply_rotary_pos_emb for module in modeling}  # compile_layer_regions swaps these too
+    try:
+        compile_layer_regions(models["qwen3"])
+        assert (gdn._chunk_prepare, gdn._chunk_output) == eager
+        compile_layer_regions(models["qwen3_5"])
+        assert gdn._chunk_prepare._grpo_compiled and gdn._chunk_output._grpo_compiled
+    finally:
+        gdn._chunk_prepare, gdn._chunk_output = eager
+        for module, rope in ropes.items():
+            module.apply_rotary_pos_emb = rope
