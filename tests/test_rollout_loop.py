@@ -481,7 +481,7 @@ def wait_until(predicate, timeout: float, what):
     `timeout` seconds. A deadline against hangs, not a timed assertion."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s: {what() if callable(what) else what}"
         time.sleep(0.05)
 
 
@@ -493,26 +493,28 @@ def server_gauges(server):
     return parse_metrics(httpx.get(f"{server.base_url}/metrics", timeout=30).text)
 
 
-def fill_and_freeze_kv_cache(server, model, prompt_ids, pool, attempts: int = 5):
-    """Send 6 requests of 3 KV blocks each (5 fit the 15 usable blocks, the 6th waits) and, once the server's own
-    gauge shows the cache full, pause it with `mode=keep&clear_cache=false`: running requests freeze holding their
-    blocks, so every later /metrics poll reads the same full cache. Checked on the paused server; retried when the
-    requests finished before the pause landed. Returns the requests' futures (they finish after /resume)."""
+def fill_and_freeze_kv_cache(server, model, prompt_ids, pool, timeout: float = 180):
+    """Hold the server's KV cache full: 40 requests of 3 KV blocks each (5 fill the 15 usable blocks, the rest
+    queue behind them, so the cache stays full while they drain), then `/pause?mode=keep&clear_cache=false`, which
+    freezes the running requests holding their blocks. Done when the paused server's own gauge reads > 0.8; else
+    resume, let it run on, pause again (new requests once these finished). While paused the gauge cannot move, so
+    every /metrics poll of the loop then reads the same full cache. (Polls of a running, busy server read a lagging
+    gauge: the old version of this test, which hoped a poll would land on a full cache, failed in full sessions.)
+    Returns the requests' futures; they finish after /resume."""
     import httpx
 
     body = {"model": model, "prompt": prompt_ids, "max_tokens": 100, "ignore_eos": True, "temperature": 1.0}
-    for _ in range(attempts):
-        futures = [pool.submit(httpx.post, f"{server.base_url}/v1/completions", json=body, timeout=600)
-                   for _ in range(6)]
-        wait_until(lambda: server_gauges(server).kv_cache_usage > 0.8 or all(f.done() for f in futures), 120,
-                   lambda: f"a full KV cache; the server's gauges: {server_gauges(server)}")
+    futures, deadline = [], time.monotonic() + timeout
+    while True:
+        if all(f.done() for f in futures):
+            futures = [pool.submit(httpx.post, f"{server.base_url}/v1/completions", json=body, timeout=600)
+                       for _ in range(40)]
         httpx.post(f"{server.base_url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
-        if server_gauges(server).kv_cache_usage > 0.8:
+        gauges = server_gauges(server)
+        if gauges.kv_cache_usage > 0.8:
             return futures
         httpx.post(f"{server.base_url}/resume", timeout=60)
-        for f in futures:
-            f.result()
-    raise AssertionError(f"could not freeze a full KV cache in {attempts} attempts: {server_gauges(server)}")
+        assert time.monotonic() < deadline, f"no full KV cache to freeze within {timeout:.0f} s: {gauges}"
 
 
 @pytest.mark.vllm
@@ -524,7 +526,8 @@ def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server,
     from concurrent.futures import ThreadPoolExecutor
 
     # ~268-token prompts + at most 110 generated tokens: every request holds 3 of the 16 KV blocks (vLLM keeps one
-    # back: 15 usable), so 5 requests fill the cache. Prefix caching is off, so nothing is shared.
+    # back: 15 usable), so 5 requests fill the cache and the loop's 4 rollouts alone never exceed 12/15 = 0.8.
+    # Prefix caching is off, so nothing is shared.
     content = " ".join(["the word of", "and to in"][i % 2] for i in range(84))
     prompt = [{"role": "user", "content": content}]
     prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
@@ -547,7 +550,7 @@ def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server,
         caps = drain()["rollout/concurrency_cap"]
         return bool(caps) and max(caps[caps.index(min(caps)):]) > min(caps)
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    with ThreadPoolExecutor(max_workers=48) as pool:
         frozen = fill_and_freeze_kv_cache(small_kv_server, str(tiny_qwen3), prompt_ids, pool)
         runner = pool.submit(asyncio.run, loop.run())
         try:
