@@ -98,12 +98,27 @@ def bad_pointers(root: Path) -> list[str]:
         for number in re.findall(r"docs/design\.md,? §(\d+(?:\.\d+)?)", source.read_text()):
             if number not in sections:
                 bad.append(f"{source.relative_to(root)}: cites docs/design.md §{number}, which does not exist")
+    headings = readme_headings((root / "README.md").read_text())
+    for source in code_files(root, "*.py", "*.sh", "*.sbatch", "*.md"):
+        for title in re.findall(r'README "([^"]+)"', source.read_text()):
+            if not any(h.startswith(title.lower()) for h in headings):
+                bad.append(f'{source.relative_to(root)}: README "{title}" is no heading of README.md')
     return bad
 
 
-def code_files(root: Path) -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=root, capture_output=True, text=True).stdout.split()
-    return [root / p for p in listed if (root / p).is_file()] if listed else sorted(root.glob("**/*.py"))
+def readme_headings(readme: str) -> list[str]:
+    prose = re.sub(r"^```.*?^```", "", readme, flags=re.M | re.S)
+    return [h.lower() for h in re.findall(r"^#{2,4} (.+?)\s*$", prose, flags=re.M)]
+
+
+def code_files(root: Path, *patterns: str) -> list[Path]:
+    """Tracked files matching `patterns` (default: Python), or a glob when this is not a git checkout."""
+    patterns = patterns or ("*.py",)
+    listed = subprocess.run(["git", "ls-files", *patterns], cwd=root, capture_output=True, text=True).stdout.split()
+    if not listed:
+        found = {p for pattern in patterns for p in root.glob(f"**/{pattern}") if ".venv" not in p.parts}
+        return sorted(found - {Path(__file__).resolve()})  # this file plants bad pointers on purpose
+    return [root / p for p in listed if (root / p).is_file() and root / p != Path(__file__).resolve()]
 
 
 def test_every_doc_pointer_resolves():
@@ -125,6 +140,29 @@ def test_a_planted_bad_pointer_is_reported(planted, expected):
     text = f"# planted\n\nGood: `grpo/trie.py`, grpo/trie.py:1, [losses](losses.md), §4. Bad: {planted}\n"
     bad = text_pointers(REPO, text, REPO / "docs", "docs/planted.md")
     assert len(bad) == 1 and expected in bad[0], bad
+
+
+def test_a_planted_readme_section_reference_is_reported(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text("## 1. One\n")
+    (tmp_path / "README.md").write_text("# x\n\n## Failure policy\n\n```bash\n# Not a heading\n```\n")
+    (tmp_path / "a.py").write_text('# README "Failure policy" is fine; README "Not a heading" and README "Gone" are not\n')
+    assert bad_pointers(tmp_path) == ['a.py: README "Not a heading" is no heading of README.md',
+                                      'a.py: README "Gone" is no heading of README.md']
+
+
+def test_the_module_map_names_every_module_and_script():
+    """docs/design.md's module map: every module of grpo/, every script, and the two entry points have a row."""
+    from fnmatch import fnmatchcase
+
+    text = (REPO / "docs" / "design.md").read_text()
+    table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed = [e for name in re.findall(r"`([^`]+)`", table) for e in expand(name)]
+    files = [p for p in code_files(REPO, "grpo/*.py", "scripts/*", "train.py", "rollout.py")
+             if p.name != "__init__.py"]
+    missing = [str(p.relative_to(REPO)) for p in files
+               if not any(fnmatchcase(str(p.relative_to(REPO)), pattern) for pattern in listed)]
+    assert not missing, f"not in docs/design.md's module map: {missing}"
 
 
 # ---- the metrics glossary ---------------------------------------------------------------------------------------
