@@ -165,6 +165,15 @@ def test_the_module_map_names_every_module_and_script():
     assert not missing, f"not in docs/design.md's module map: {missing}"
 
 
+def test_the_readme_test_command_is_what_ci_runs():
+    """.ci/run runs "the README's test command": its install line and its pytest line, joined, are in the README."""
+    ci = (REPO / ".ci" / "run").read_text()
+    install = re.search(r"^(bash scripts/install\.sh[^|\n]*?)\s*\|\|", ci, flags=re.M).group(1).strip()
+    pytest_line = re.search(r"^(\.venv/bin/python -m pytest[^\n]*)$", ci, flags=re.M).group(1).strip()
+    command = f"{install} && {pytest_line}"
+    assert re.search(rf"^{re.escape(command)}(\s+#.*)?$", (REPO / "README.md").read_text(), flags=re.M), command
+
+
 # ---- the metrics glossary ---------------------------------------------------------------------------------------
 
 METRIC = re.compile(r"""f?["']((?:rewards|completions|sampling|clip_ratio|rollout|tools|env|sample|batch|perf|train)"""
