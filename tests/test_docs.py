@@ -1,7 +1,13 @@
-"""Doc pointers resolve: every repository path (`grpo/x.py`, `path:line`, `tests/t.py::test_name`), every markdown
-link, every `§N` and every "`name` in `path`" code pointer in README.md and docs/*.md names something that exists,
-and so do the `docs/design.md §N` citations in the code. The checker runs on planted bad pointers too, so it can
-fail."""
+"""The docs stay true to the code.
+
+- Pointers resolve: every repository path (`grpo/x.py`, `path:line`, `tests/t.py::test_name`), markdown link (and
+  its #anchor), `§N` and "`name` in `path`" code pointer in README.md and docs/*.md; the `docs/design.md §N` and
+  README "Section" references in the code.
+- docs/design.md's module map has a row for every module and script.
+- The README's metrics glossary lists exactly the metrics the trainer and the rollout worker log.
+- The README's test command is the one .ci/run runs.
+Each checker also runs on planted mistakes, so it can fail.
+"""
 
 from __future__ import annotations
 
@@ -146,7 +152,7 @@ def test_a_planted_readme_section_reference_is_reported(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "design.md").write_text("## 1. One\n")
     (tmp_path / "README.md").write_text("# x\n\n## Failure policy\n\n```bash\n# Not a heading\n```\n")
-    (tmp_path / "a.py").write_text('# README "Failure policy" is fine; README "Not a heading" and README "Gone" are not\n')
+    (tmp_path / "a.py").write_text('# README "Failure policy" fine; README "Not a heading", README "Gone" not\n')
     assert bad_pointers(tmp_path) == ['a.py: README "Not a heading" is no heading of README.md',
                                       'a.py: README "Gone" is no heading of README.md']
 
