@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for Qwen3.5 on a GPU (README "Qwen3.5 on a GPU"): the GDN kernels alone (scripts/bench_gdn.py),
+# One device call for Qwen3.5 on a GPU (docs/results.md, 2026-12-02 GPU entry): the GDN kernels alone (scripts/bench_gdn.py),
 # the GPU tests and the real trainer step (scripts/bench_step.py, Qwen3.5-2B shape, tree and plain), first WITHOUT
 # fla-core, then WITH it (FLA_WHEELS: a folder of wheels with fla-core; its gated backward is refused on Triton
 # >= 3.4, < 3.7.1 on Hopper, so the step must fall back to the torch backward there and not crash).

@@ -14,7 +14,7 @@
 #       --rdzv-backend c10d --rdzv-endpoint $HOST_A:29500 --rdzv-id $RUN_ID train.py --model $MODEL \
 #       --vllm-server-base-url http://$HOST_A:8000 http://$HOST_B:8000 --hsdp-replicas auto --output-dir $OUTPUT_DIR
 #
-# A RECIPE: verified here only as 2 "hosts" on one CPU machine (README "Several nodes" says what ran where);
+# A RECIPE: verified here only as 2 "hosts" on one CPU machine (docs/results.md says what ran where);
 # tests/test_launch_recipes.py checks that the commands it builds parse with rollout.py's and train.py's CLIs.
 # OUTPUT_DIR must be one filesystem both hosts mount at the same path (NFS, ...): rank 0 writes the checkpoints,
 # every rank reads them on resume; the trainer checks this at start and fails naming the host that cannot see it.

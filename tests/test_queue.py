@@ -172,12 +172,17 @@ def test_worker_streams_scored_samples(vllm_server, tiny_qwen3):
         got = [worker.get(timeout=120) for _ in range(6)]
         assert all(s is not None and s.model_version == 1 and s.num_trained > 0 for s in got)
         assert all(s.completion_mask[0] == 0 and len(s.sampler_logprobs) == len(s.input_ids) for s in got)
-        time.sleep(6)  # one /metrics poll
+        names = ("reward", "frac_reward_zero_std", "completions/mean_length", "rollout/concurrency_cap",
+                 "rollout/vllm_kv_cache_usage_frac", "sample/staleness_max")
+        items, deadline = [], time.monotonic() + 60  # the gauges come with the worker's next /metrics poll (5 s)
+        while not {name for name, _ in items} >= set(names):
+            assert time.monotonic() < deadline, f"no {set(names) - {n for n, _ in items}} within 60 s"
+            items += worker.drain_metrics()
+            time.sleep(0.1)
         w = MetricsWindow()
-        w.extend(worker.drain_metrics())
+        w.extend(items)
         out = w.reduce()
-        for name in ("reward", "frac_reward_zero_std", "completions/mean_length", "rollout/concurrency_cap",
-                     "rollout/vllm_kv_cache_usage_frac", "sample/staleness_max"):
+        for name in names:
             assert name in out, name
         waited = worker.take_wait_s()  # the six gets waited for generation: the step's total, taken once
         assert waited > 0 and worker.take_wait_s() == 0.0

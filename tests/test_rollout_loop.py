@@ -9,7 +9,6 @@ import multiprocessing
 import queue
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -477,48 +476,102 @@ def small_kv_server(tiny_qwen3, tmp_path_factory):
     server.stop()
 
 
+def wait_until(predicate, timeout: float, what):
+    """Poll `predicate` every 50 ms until it is true; fail naming `what` (a callable gives the state seen) after
+    `timeout` seconds. A deadline against hangs, not a timed assertion."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s: {what() if callable(what) else what}"
+        time.sleep(0.05)
+
+
+def server_gauges(server):
+    import httpx
+
+    from grpo.vllm_metrics import parse_metrics
+
+    return parse_metrics(httpx.get(f"{server.base_url}/metrics", timeout=30).text)
+
+
+def fill_and_freeze_kv_cache(server, model, prompt_ids, pool, timeout: float = 180):
+    """Hold the server's KV cache full: 40 requests of 3 KV blocks each (5 fill the 15 usable blocks, the rest
+    queue behind them, so the cache stays full while they drain), then `/pause?mode=keep&clear_cache=false`, which
+    freezes the running requests holding their blocks. Done when the paused server's own gauge reads > 0.8; else
+    resume, let it run on, pause again (new requests once these finished). While paused the gauge cannot move, so
+    every /metrics poll of the loop then reads the same full cache. (Polls of a running, busy server read a lagging
+    gauge: the old version of this test, which hoped a poll would land on a full cache, failed in full sessions.)
+    Returns the requests' futures; they finish after /resume."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": 100, "ignore_eos": True, "temperature": 1.0}
+    futures, deadline = [], time.monotonic() + timeout
+    while True:
+        if all(f.done() for f in futures):
+            futures = [pool.submit(httpx.post, f"{server.base_url}/v1/completions", json=body, timeout=600)
+                       for _ in range(40)]
+        httpx.post(f"{server.base_url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
+        gauges = server_gauges(server)
+        if gauges.kv_cache_usage > 0.8:
+            return futures
+        httpx.post(f"{server.base_url}/resume", timeout=60)
+        assert time.monotonic() < deadline, f"no full KV cache to freeze within {timeout:.0f} s: {gauges}"
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="passes alone; in the full session (after tests/faults and test_lora) its "
-                   "polls read 0 KV usage from the small server: open, see the README's known limits")
 def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server, tiny_qwen3, tokenizer):
-    # ~268-token prompts + at most 110 generated tokens: every rollout holds 3 blocks from its prefill on. vLLM
-    # keeps one of the 16 blocks back, so 4 rollouts read as 12/15 = 0.8 (hold) and 5 fill the cache (1.0 > 0.8:
-    # shrink); between groups usage reads low (< 0.6: grow). Prefix caching is off, so nothing is shared.
+    """Driven by the server's own KV gauge: a cache held full (paused with its requests frozen in it) must shrink
+    the loop's cap at its next polls; once resumed and drained, the cap must grow back as rollouts finish."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+
+    # ~268-token prompts + at most 110 generated tokens: every request holds 3 of the 16 KV blocks (vLLM keeps one
+    # back: 15 usable), so 5 requests fill the cache and the loop's 4 rollouts alone never exceed 12/15 = 0.8.
+    # Prefix caching is off, so nothing is shared.
     content = " ".join(["the word of", "and to in"][i % 2] for i in range(84))
     prompt = [{"role": "user", "content": content}]
-    assert 256 < len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]) < 384 - 110
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
+    assert 256 < len(prompt_ids) < 384 - 110
     config = make_config(small_kv_server, tiny_qwen3, num_generations=4, max_completion_length=110,
                          max_concurrent_rollouts=16)
-    metrics = queue.Queue()
-    loop = make_loop(FastPoll, config, [{"prompt": prompt}] * 8, [length_reward], tokenizer, metrics_queue=metrics)
-    asyncio.run(loop.run(max_groups=24))
-    caps, usage, running, waiting, inflight, generated = [], [], [], [], [], []
-    while not metrics.empty():
-        for name, value in metrics.get():
-            if name == "rollout/concurrency_cap":
-                caps.append(value)
-            elif name == "rollout/vllm_kv_cache_usage_frac":
-                usage.append(round(value, 2))
-            elif name == "rollout/vllm_running_requests":
-                running.append(value)
-            elif name == "rollout/concurrency":
-                inflight.append(value)
-            elif name == "rollout/vllm_queued_requests":
-                waiting.append(value)
-            elif name == "rollout/generated_tokens_per_s":
-                generated.append(value)
-    # what the polls saw, for the failure message: the server's running / waiting gauges next to our own in-flight
-    # count, and the number of polls: meant every 0.25 s, they came every 0.6-1.3 s on 2 busy cores (2026-12-01),
-    # about as long as one of these rollouts holds its KV blocks, so polls can miss the moments the cache is full
-    seen = dict(polls=len(caps), caps=caps, kv_usage=usage, server_running=running, server_waiting=waiting, our_inflight=inflight,
-                generated_tokens=sum(n for n, _ in generated), seconds=round(sum(dt for _, dt in generated), 1))
-    low = caps.index(min(caps))
-    if not (min(caps) < 4 and max(usage) > 0.8 and max(caps[low:]) > min(caps)):
-        warnings.warn(f"cap test: what the polls saw: {seen}")  # an xfail hides the assertion; warnings show
+    metrics, stop = queue.Queue(), threading.Event()
+    loop = make_loop(FastPoll, config, [{"prompt": prompt}] * 8, [length_reward], tokenizer, metrics_queue=metrics,
+                     stop_event=stop)
+    seen = {"rollout/concurrency_cap": [], "rollout/vllm_kv_cache_usage_frac": [], "rollout/vllm_queued_requests": []}
+
+    def drain():
+        while not metrics.empty():
+            for name, value in metrics.get():
+                if name in seen:
+                    seen[name].append(round(value, 2))
+        return seen
+
+    def grew_back():
+        caps = drain()["rollout/concurrency_cap"]
+        return bool(caps) and max(caps[caps.index(min(caps)):]) > min(caps)
+
+    with ThreadPoolExecutor(max_workers=48) as pool:
+        frozen = fill_and_freeze_kv_cache(small_kv_server, str(tiny_qwen3), prompt_ids, pool)
+        runner = pool.submit(asyncio.run, loop.run())
+        try:
+            # paused with a full cache: every poll reads usage > 0.8, so the cap must fall below its start
+            wait_until(lambda: runner.done() or (loop.cap is not None and loop.cap.limit < loop.cap.initial_limit),
+                       120, lambda: f"the cap to shrink; polls saw {drain()}")
+            httpx.post(f"{small_kv_server.base_url}/resume", timeout=60)
+            for f in frozen:
+                assert f.result().status_code == 200
+            # resumed: the frozen requests finished, the loop's rollouts finish one by one with the cache mostly
+            # free and nothing queued, so the cap must rise above its low
+            wait_until(lambda: runner.done() or grew_back(), 300, lambda: f"the cap to grow back; polls saw {drain()}")
+        finally:
+            stop.set()
+            httpx.post(f"{small_kv_server.base_url}/resume", timeout=60)
+            runner.result(timeout=300)  # raises the loop's own failure, if any
+    drain()
+    caps, usage = seen["rollout/concurrency_cap"], seen["rollout/vllm_kv_cache_usage_frac"]
     assert loop.cap.initial_limit == 4  # kv_cache_max_concurrency = 2048 KV tokens / max_model_len 512
-    assert min(caps) < 4 and max(usage) > 0.8, seen
-    assert max(caps[low:]) > min(caps), seen  # grew back once the cache had room
+    assert max(usage) > 0.8 and min(caps) < 4, seen  # the loop itself read the full cache and shrank
+    assert max(caps[caps.index(min(caps)):]) > min(caps), seen  # grew back once the cache had room
 
 
 @pytest.mark.vllm

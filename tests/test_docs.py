@@ -1,0 +1,234 @@
+"""The docs stay true to the code.
+
+- Pointers resolve: every repository path (`grpo/x.py`, `path:line`, `tests/t.py::test_name`), markdown link (and
+  its #anchor), `§N` and "`name` in `path`" code pointer in README.md and docs/*.md; the `docs/design.md §N` and
+  README "Section" references in the code.
+- docs/design.md's module map has a row for every module and script.
+- The README's metrics glossary lists exactly the metrics the trainer and the rollout worker log.
+- The README's test command is the one .ci/run runs.
+Each checker also runs on planted mistakes, so it can fail.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOP = ("grpo", "tests", "scripts", "docs", ".ci")
+TOP_FILES = ("train.py", "rollout.py", "README.md", "pyproject.toml", "requirements.txt", "requirements-cpu.txt")
+PATH = re.compile(r"(?<![\w/.<>-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/[\w./*-]*|"
+                  + "|".join(re.escape(f) for f in TOP_FILES) + r")(?::(\d+)(?:-(\d+))?)?(?:::(\w+))?")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+SECTION = re.compile(r"§(\d+(?:\.\d+)?)")
+NAMES = r"`[\w./]+`(?:\s*(?:/|,|and)\s*`[\w./]+`)*"
+CODE_IN = re.compile(r"(" + NAMES + r") in `([\w./-]+\.py)`")
+CODE_AFTER = re.compile(r"`([\w./-]+\.py)` \((" + NAMES + r")\)")
+
+
+def doc_files(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def design_sections(root: Path) -> set[str]:
+    """Section numbers of docs/design.md: `## 6. Losses` -> 6, `### 6.2 Score centering` -> 6.2."""
+    text = (root / "docs" / "design.md").read_text()
+    return set(re.findall(r"^#{2,4} (\d+(?:\.\d+)?)\.? ", text, flags=re.M))
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation other than '-' and '_' dropped, spaces -> '-'."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)  # a `# comment` in a code block is no heading
+    headings = re.findall(r"^#{1,6} (.+?)\s*$", prose, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def defines(path: Path, name: str) -> bool:
+    """`name` (or each part of `Class.method`, `a/b`) is defined in the Python file: def, class or assignment."""
+    text = path.read_text()
+    parts = [p for p in re.split(r"[./]", name) if p]
+    return all(re.search(rf"^\s*(?:async\s+def|def|class)\s+{re.escape(p)}\b|^\s*(?:self\.)?{re.escape(p)}\s*[:=]",
+                         text, flags=re.M) for p in parts)
+
+
+def check_path(root: Path, token: str, line: str | None, line_end: str | None, test: str | None) -> str | None:
+    token = token.rstrip(".")
+    matches = sorted(root.glob(token.rstrip("/"))) if "*" in token else [root / token.rstrip("/")]
+    if not matches or not all(m.exists() for m in matches):
+        return f"{token}: no such file or folder"
+    target = matches[0]
+    if line is not None:
+        n = len(target.read_text().splitlines())
+        if not 1 <= int(line) <= int(line_end or line) <= n:
+            return f"{token}:{line}{'-' + line_end if line_end else ''}: the file has {n} lines"
+    if test is not None and not defines(target, test):
+        return f"{token}::{test}: not defined there"
+    return None
+
+
+def text_pointers(root: Path, text: str, doc_dir: Path, where: str) -> list[str]:
+    """The pointers of one document's text that do not resolve (links relative to `doc_dir`)."""
+    sections, bad = design_sections(root), []
+    for m in PATH.finditer(text):
+        if (why := check_path(root, *m.groups())) is not None:
+            bad.append(f"{where}: {why}")
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        file, _, anchor = target.partition("#")
+        if not (doc_dir / file).exists():
+            bad.append(f"{where}: link ({target}) does not resolve from {doc_dir.relative_to(root)}/")
+        elif anchor and file.endswith(".md") and anchor not in anchors((doc_dir / file).read_text()):
+            bad.append(f"{where}: link ({target}): no heading of {file} has the anchor #{anchor}")
+    for number in SECTION.findall(text):
+        if number not in sections:
+            bad.append(f"{where}: §{number} is not a section of docs/design.md")
+    for names, path in CODE_IN.findall(text) + [(n, p) for p, n in CODE_AFTER.findall(text)]:
+        for name in re.findall(r"`([\w./]+)`", names):
+            if (root / path).is_file() and not name.endswith((".py", ".md")) and not defines(root / path, name):
+                bad.append(f"{where}: `{name}` is not defined in {path}")
+    return bad
+
+
+def bad_pointers(root: Path) -> list[str]:
+    """Every pointer of README.md and docs/*.md, and every `docs/design.md §N` the code cites, that does not
+    resolve."""
+    bad = []
+    for doc in doc_files(root):
+        bad += text_pointers(root, doc.read_text(), doc.parent, str(doc.relative_to(root)))
+    sections = design_sections(root)
+    for source in code_files(root):
+        for number in re.findall(r"docs/design\.md,? §(\d+(?:\.\d+)?)", source.read_text()):
+            if number not in sections:
+                bad.append(f"{source.relative_to(root)}: cites docs/design.md §{number}, which does not exist")
+    headings = readme_headings((root / "README.md").read_text())
+    for source in code_files(root, "*.py", "*.sh", "*.sbatch", "*.md"):
+        for title in re.findall(r'README "([^"]+)"', source.read_text()):
+            if not any(h.startswith(title.lower()) for h in headings):
+                bad.append(f'{source.relative_to(root)}: README "{title}" is no heading of README.md')
+    return bad
+
+
+def readme_headings(readme: str) -> list[str]:
+    prose = re.sub(r"^```.*?^```", "", readme, flags=re.M | re.S)
+    return [h.lower() for h in re.findall(r"^#{2,4} (.+?)\s*$", prose, flags=re.M)]
+
+
+def code_files(root: Path, *patterns: str) -> list[Path]:
+    """Tracked files matching `patterns` (default: Python), or a glob when this is not a git checkout."""
+    patterns = patterns or ("*.py",)
+    listed = subprocess.run(["git", "ls-files", *patterns], cwd=root, capture_output=True, text=True).stdout.split()
+    if not listed:
+        found = {p for pattern in patterns for p in root.glob(f"**/{pattern}") if ".venv" not in p.parts}
+        return sorted(found - {Path(__file__).resolve()})  # this file plants bad pointers on purpose
+    return [root / p for p in listed if (root / p).is_file() and root / p != Path(__file__).resolve()]
+
+
+def test_every_doc_pointer_resolves():
+    bad = bad_pointers(REPO)
+    assert not bad, "stale doc pointers (fix the doc, or the code it names):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("planted, expected", [
+    ("see `grpo/no_such_module.py`", "no such file"),
+    ("see grpo/trie.py:999999", "the file has"),
+    ("the test tests/test_trie.py::test_that_does_not_exist", "not defined there"),
+    ("the map in [the design](no_such_doc.md)", "does not resolve"),
+    ("the staleness rule (docs/design.md §99)", "§99 is not a section"),
+    ("*Code: `NoSuchClass.get` in `grpo/queue.py`.*", "`NoSuchClass.get` is not defined in grpo/queue.py"),
+    ("*Code: `grpo/trie.py` (`pack_samples`, `no_such_packer`).*", "`no_such_packer` is not defined"),
+    ("[normalisers](losses.md#no-such-heading)", "no heading of losses.md has the anchor"),
+])
+def test_a_planted_bad_pointer_is_reported(planted, expected):
+    text = f"# planted\n\nGood: `grpo/trie.py`, grpo/trie.py:1, [losses](losses.md), §4. Bad: {planted}\n"
+    bad = text_pointers(REPO, text, REPO / "docs", "docs/planted.md")
+    assert len(bad) == 1 and expected in bad[0], bad
+
+
+def test_a_planted_readme_section_reference_is_reported(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text("## 1. One\n")
+    (tmp_path / "README.md").write_text("# x\n\n## Failure policy\n\n```bash\n# Not a heading\n```\n")
+    (tmp_path / "a.py").write_text('# README "Failure policy" fine; README "Not a heading", README "Gone" not\n')
+    assert bad_pointers(tmp_path) == ['a.py: README "Not a heading" is no heading of README.md',
+                                      'a.py: README "Gone" is no heading of README.md']
+
+
+def test_the_module_map_names_every_module_and_script():
+    """docs/design.md's module map: every module of grpo/, every script, and the two entry points have a row."""
+    from fnmatch import fnmatchcase
+
+    text = (REPO / "docs" / "design.md").read_text()
+    table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed = [e for name in re.findall(r"`([^`]+)`", table) for e in expand(name)]
+    files = [p for p in code_files(REPO, "grpo/*.py", "scripts/*", "train.py", "rollout.py")
+             if p.name != "__init__.py"]
+    missing = [str(p.relative_to(REPO)) for p in files
+               if not any(fnmatchcase(str(p.relative_to(REPO)), pattern) for pattern in listed)]
+    assert not missing, f"not in docs/design.md's module map: {missing}"
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """.ci/run runs "the README's test command": its install line and its pytest line, joined, are in the README."""
+    ci = (REPO / ".ci" / "run").read_text()
+    install = re.search(r"^(bash scripts/install\.sh[^|\n]*?)\s*\|\|", ci, flags=re.M).group(1).strip()
+    pytest_line = re.search(r"^(\.venv/bin/python -m pytest[^\n]*)$", ci, flags=re.M).group(1).strip()
+    command = f"{install} && {pytest_line}"
+    assert re.search(rf"^{re.escape(command)}(\s+#.*)?$", (REPO / "README.md").read_text(), flags=re.M), command
+
+
+# ---- the metrics glossary ---------------------------------------------------------------------------------------
+
+METRIC = re.compile(r"""f?["']((?:rewards|completions|sampling|clip_ratio|rollout|tools|env|sample|batch|perf|train)"""
+                    r"""/[\w{}./]*[\w}]|reward|reward_kept|reward_dropped|reward_group_std|frac_reward_zero_std|loss|"""
+                    r"""entropy|grad_norm|learning_rate|aux_loss|num_tokens)["']""")
+
+
+def expand(name: str) -> list[str]:
+    """`a/{x,y}_s` -> a/x_s, a/y_s; a placeholder without a comma (`{fn}`, `{s.index}`) -> `*`."""
+    match = re.search(r"\{([^{}]*)\}", name)
+    if match is None:
+        return [name]
+    options = match.group(1).split(",") if "," in match.group(1) else ["*"]
+    return [e for o in options for e in expand(name[:match.start()] + o + name[match.end():])]
+
+
+def emitted_metrics(root: Path) -> set[str]:
+    """Metric names the trainer and the rollout worker log (string literals and f-strings with a metric prefix)."""
+    sources = [root / "train.py", root / "rollout.py", *sorted((root / "grpo").glob("*.py"))]
+    return {e for path in sources for name in METRIC.findall(path.read_text()) for e in expand(name)}
+
+
+def glossary_metrics(readme: str) -> set[str]:
+    """The backticked names in the first column of the README's metrics table."""
+    table = readme.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    return {e for row in rows for name in re.findall(r"`([^`]+)`", row) for e in expand(name)}
+
+
+def glossary_gaps(emitted: set[str], glossary: set[str]) -> tuple[set[str], set[str]]:
+    """(emitted but not explained, explained but never emitted); `*` matches one name part."""
+    from fnmatch import fnmatchcase
+
+    def covered(name, patterns):
+        return any(fnmatchcase(name, p) or fnmatchcase(p, name) for p in patterns)
+
+    return ({m for m in emitted if not covered(m, glossary)}, {g for g in glossary if not covered(g, emitted)})
+
+
+def test_the_metrics_glossary_lists_every_logged_metric_and_only_those():
+    missing, unknown = glossary_gaps(emitted_metrics(REPO), glossary_metrics((REPO / "README.md").read_text()))
+    assert not missing, f"logged but missing from the README's metrics glossary: {sorted(missing)}"
+    assert not unknown, f"in the README's metrics glossary but logged nowhere: {sorted(unknown)}"
+
+
+def test_the_glossary_check_sees_a_missing_and_an_invented_metric():
+    emitted = {"perf/step_s", "rollout/dropped_*_count", "tools/*/latency_s"}
+    glossary = {"perf/step_s", "rollout/dropped_filtered_count", "tools/*/latency_s"}
+    assert glossary_gaps(emitted, glossary) == (set(), set())
+    assert glossary_gaps(emitted | {"perf/new_s"}, glossary | {"perf/invented_s"}) == ({"perf/new_s"},
+                                                                                       {"perf/invented_s"})
+    assert expand("a/{x,y}_s") == ["a/x_s", "a/y_s"] and expand("r/{fn}/mean") == ["r/*/mean"]
