@@ -376,6 +376,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     import torch
 
     from grpo import checkpoint as ckpt
+    from grpo.advantages import apply_batch_transforms, batch_transforms, check_advantage_config
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import barrier, broadcast_object, hsdp_replicas, init_distributed
     from grpo.flops import device_peak_flops
@@ -394,6 +395,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     check_not_reimported()
     check_model_path(config.model)
     loss_fn = loss_function(config.loss)  # an options class without a registered loss fails here
+    check_advantage_config(config)  # the estimator, its options and the batch transforms, before any model loads
+    transforms = batch_transforms(config.advantage_batch_transforms)
     log.info("vLLM servers: %s", " ".join(config.vllm_server_urls))  # a malformed URL fails here, before the data
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
@@ -454,6 +457,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             plans = plan_step(worker, batcher, stop_groups, config.gradient_accumulation_steps, info)
             if not plans:
                 break
+            # the per-step advantage hook: every sample of the step (all ranks' rows), the same on every rank
+            apply_batch_transforms(transforms, [s for p in plans for row in p.rows for s in row], step + 1)
             # the last step of the epochs may close fewer micro-batches: they are trained, normalised by their count
             micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, config.loss, info.world_size,
                                        len(plans), autocast, config.max_completion_length) for p in plans]

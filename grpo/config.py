@@ -17,14 +17,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from grpo.advantages import ESTIMATORS
+from grpo.advantages import (GroupStdOptions, batch_transform_cli_type, estimator_cli_union, estimator_options,
+                             registered_batch_transforms)
 from grpo.losses import loss_cli_union, sampler_needs
 from grpo.score_centering import ScoreCenteringOptions
 
 DEFAULT_DATASET = "trl-lib/DeepMath-103K"
 LossOptions = loss_cli_union()
 """Union of the registered losses' options classes, one tyro subcommand `loss:NAME` per registered loss."""
-AdvantageEstimator = Literal[tuple(ESTIMATORS)]  # the registered estimator names (built after the loss modules)
+AdvantageOptions = estimator_cli_union()
+"""Union of the registered estimators' options classes, one tyro subcommand `advantage:NAME` per estimator."""
+BatchTransformNames = batch_transform_cli_type()
+"""The registered advantage batch transforms' names (described in --help)."""
 
 
 @dataclass
@@ -120,8 +124,10 @@ class AsyncGRPOConfig:
     loss: LossOptions = field(default_factory=ScoreCenteringOptions)
     """The loss and its options: `loss:NAME --loss.OPTION VALUE` (one subcommand per registered loss; default
     score centering). Each option's meaning is in `train.py loss:NAME --help`."""
-    advantage_estimator: AdvantageEstimator = "group_std"
-    """Advantage of a rollout from its group's rewards: group_std (GRPO), no_std (Dr. GRPO), rloo."""
+    advantage: AdvantageOptions = field(default_factory=GroupStdOptions)
+    """The advantage estimator and its options: `advantage:NAME --advantage.OPTION VALUE` (one subcommand per
+    registered estimator; default group_std). Python: an options instance or a registered name."""
+    advantage_batch_transforms: BatchTransformNames = ()
     drop_equal_reward_groups: bool = True
     """Drop groups whose scorable rewards are all equal (zero advantage; the spec's rule, DAPO's dynamic sampling).
     False trains them too: they add no gradient but count in the token/sequence normalisers."""
@@ -205,6 +211,16 @@ class AsyncGRPOConfig:
     """Print sample completions at each log."""
     num_completions_to_print: int | None = None
     """How many completions to print; None = one group."""
+
+    def __post_init__(self) -> None:
+        # names from Python fail here, at construction, not in the rollout worker after the model loaded
+        self.advantage = estimator_options(self.advantage)
+        if isinstance(self.advantage_batch_transforms, str):
+            self.advantage_batch_transforms = (self.advantage_batch_transforms,)
+        unknown = set(self.advantage_batch_transforms) - set(registered_batch_transforms())
+        if unknown:
+            raise ValueError(f"unknown advantage batch transform(s) {sorted(unknown)}: use "
+                             f"{sorted(registered_batch_transforms())} or register yours (docs/losses.md)")
 
     @property
     def num_sampler_logprobs(self) -> int:

@@ -109,7 +109,7 @@ class AsyncRolloutLoop(RolloutScheduler):
         """Advantages [G] by the configured estimator (grpo/advantages.py); NaN rewards get 0."""
         cfg = self.config
         lengths = np.array([len(r.completion_ids) for r in group.rollouts])
-        return estimate_advantages(cfg.advantage_estimator, group.rewards, lengths, cfg.max_completion_length,
+        return estimate_advantages(cfg.advantage, group.rewards, lengths, cfg.max_completion_length,
                                    cfg.overlong_buffer_length, cfg.overlong_penalty_factor)
 
 

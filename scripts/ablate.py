@@ -1,6 +1,6 @@
 """Ablation runner: a grid of loss variants x seeds trained against one vLLM server, then a table and plots.
 
-    python scripts/ablate.py --variants score_centering grpo dapo "dr_grpo+advantage_estimator=no_std" \\
+    python scripts/ablate.py --variants score_centering grpo dapo "dr_grpo+advantage=no_std" \\
         --seeds 0 1 2 --set max_steps=40 num_generations=8 --out docs/ablation
 
 A variant is a registered loss name (`train.py --help` lists them) optionally followed by `+key=value` overrides
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Args:
-    variants: tuple[str, ...] = ("score_centering", "grpo", "dapo", "dr_grpo+advantage_estimator=no_std", "gspo",
+    variants: tuple[str, ...] = ("score_centering", "grpo", "dapo", "dr_grpo+advantage=no_std", "gspo",
                                  "cispo")
     """Loss variants: registered name, optionally `name+key=value+...` (run or `loss.` options for that variant)."""
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -63,7 +63,7 @@ class Args:
 # ---------------------------------------------------------------------------------------------- the grid
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
-    """`dr_grpo+advantage_estimator=no_std` -> ("dr_grpo", {"advantage_estimator": "no_std"})."""
+    """`dr_grpo+advantage=no_std` -> ("dr_grpo", {"advantage": "no_std"})."""
     name, *pairs = spec.split("+")
     return name, dict(_pair(p) for p in pairs)
 
@@ -83,14 +83,22 @@ def _flag(key: str, value: str) -> list[str]:
 
 
 def train_command(args: Args, variant: str, seed: int, url: str, run_dir: Path) -> list[str]:
-    """train.py argv for one run: base args, --set, the variant's options, then `loss:NAME --loss.x v`."""
+    """train.py argv for one run: base args, --set, the variant's options, then `loss:NAME --loss.x v` and
+    `advantage:NAME --advantage.x v` (`advantage=NAME` picks the estimator; `advantage_estimator=` is its old name)."""
     name, overrides = parse_variant(variant)
     options = dict(_pair(s) for s in args.set) | overrides
-    run_opts = [a for k, v in options.items() if not k.startswith("loss.") for a in _flag(k, v)]
+    estimator = options.pop("advantage", None) or options.pop("advantage_estimator", None)
+    options.pop("advantage_estimator", None)
+    nested = ("loss.", "advantage.")
+    run_opts = [a for k, v in options.items() if not k.startswith(nested) for a in _flag(k, v)]
     loss_opts = [a for k, v in options.items() if k.startswith("loss.") for a in _flag(k, v)]
+    advantage_opts = [a for k, v in options.items() if k.startswith("advantage.") for a in _flag(k, v)]
+    if advantage_opts and estimator is None:
+        raise SystemExit(f"{variant}: advantage.* options need the estimator too (advantage=NAME)")
+    advantage = [f"advantage:{estimator}", *advantage_opts] if estimator else []
     return [sys.executable, str(REPO / "train.py"), "--model", args.model, "--dataset", args.dataset,
             "--reward-funcs", *args.reward_funcs, "--vllm-server-base-url", url, *args.base_args,
-            "--seed", str(seed), "--output-dir", str(run_dir), *run_opts, f"loss:{name}", *loss_opts]
+            "--seed", str(seed), "--output-dir", str(run_dir), *run_opts, f"loss:{name}", *loss_opts, *advantage]
 
 
 def run_one(args: Args, variant: str, seed: int, url: str) -> Path:

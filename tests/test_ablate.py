@@ -21,6 +21,9 @@ def test_variant_options_become_train_flags(tmp_path):
                     "loss:dapo", "--loss.epsilon", "0.2"]  # the variant's option wins over --set
     with pytest.raises(SystemExit, match="key=value"):
         ablate.parse_variant("grpo+oops")
+    for key in ("advantage", "advantage_estimator"):  # the estimator subcommand goes after the loss's options
+        cmd = ablate.train_command(args, f"grpo+{key}=pass_at_k+advantage.k=2", 7, "http://x", tmp_path)
+        assert cmd[-6:] == ["loss:grpo", "--loss.epsilon", "0.1", "advantage:pass_at_k", "--advantage.k", "2"]
 
 
 def _write_run(path, rewards, masked=0.1):

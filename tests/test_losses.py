@@ -379,10 +379,9 @@ def test_cli_lists_every_loss_and_parses_its_options(capsys):
     help_text = capsys.readouterr().out
     for name in ALL_LOSSES:
         assert f"loss:{name.replace('_', '-')}" in help_text, name
-    config = tyro.cli(AsyncGRPOConfig, args=["--advantage-estimator", "rloo", "loss:dapo", "--loss.epsilon-high",
-                                             "0.3"])
+    config = tyro.cli(AsyncGRPOConfig, args=["loss:dapo", "--loss.epsilon-high", "0.3", "advantage:rloo"])
     assert config.loss == dataclasses.replace(LOSSES["dapo"], epsilon_high=0.3)
-    assert config.advantage_estimator == "rloo" and config.num_sampler_logprobs == 0
+    assert type(config.advantage).__name__ == "RlooOptions" and config.num_sampler_logprobs == 0
     assert AsyncGRPOConfig().num_sampler_logprobs == SC.num_sampler_logprobs == 8  # declared by the default loss
     assert sampler_needs(LOSSES["gspo"]).top_logprobs == 0
 
