@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.loss_kit import HandCase, register_hand_case
-from grpo.losses import LossInputs, LossOutput, register_loss, standard_metrics
+from grpo.losses import LossInputs, LossOutput, register_loss, sampling_metrics
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ def example_reinforce(inputs: LossInputs, opts: ExampleOptions) -> LossOutput:
     terms = -opts.scale * inputs.advantages * torch.where(kept, inputs.policy_logprobs,
                                                           torch.zeros_like(inputs.policy_logprobs))
     raw_ratio = (inputs.policy_logprobs.detach() - inputs.sampler_logprobs).exp()
-    return LossOutput(terms, "token", kept, standard_metrics(inputs, raw_ratio, kept, raw_ratio, kept, 0.8, 1.2))
+    metrics = {k: v.detach() for k, v in sampling_metrics(inputs, raw_ratio, kept).items()}  # no trust region: no
+    return LossOutput(terms, "token", kept, metrics)  # clip_ratio/* (optional; losses with a trust region report it)
 
 
 # The hand-computed off-policy case every loss ships (grpo/loss_kit.py): log q = -1, log p = -1 + log r; token mean
