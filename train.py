@@ -388,6 +388,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.queue import RolloutWorker, staleness_allowance
     from grpo.repro import write_repro_bundle
     from grpo.step_plan import plan_step
+    from grpo.trackers import COMPLETION_COLUMNS, build_trackers, check_trackers, completion_rows
     from grpo.weight_sync import WeightSync, WeightSyncConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -397,6 +398,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     loss_fn = loss_function(config.loss)  # an options class without a registered loss fails here
     check_advantage_config(config)  # the estimator, its options and the batch transforms, before any model loads
     transforms = batch_transforms(config.advantage_batch_transforms)
+    check_trackers(config.report_to)  # a tracker whose library is missing fails here, with the pip command
     log.info("vLLM servers: %s", " ".join(config.vllm_server_urls))  # a malformed URL fails here, before the data
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
@@ -425,7 +427,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
 
     worker = stop_groups = None
     logger = MetricsLogger(config.output_dir, enabled=info.is_main,
-                           total_steps=config.max_steps if config.max_steps > 0 else None)
+                           total_steps=config.max_steps if config.max_steps > 0 else None,
+                           trackers=build_trackers(config) if info.is_main else [])
     if info.is_main:
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
@@ -469,7 +472,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             nonfinite_in_a_row = check_nonfinite(stepped, step, micro, float(grad_norm), nonfinite_in_a_row,
                                                  config.max_nonfinite_steps_in_a_row)
             sync_due = sync_due or step % config.weight_sync_steps == 0
-            sync_metrics = {}
+            sync_metrics, trained_version = {}, version
             if sync_due and stepped:  # a skipped step's sync waits for the next step that trains
                 version += 1
                 sync_metrics = sync.sync(model, version)
@@ -490,6 +493,9 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             if step % config.logging_steps == 0:
                 log_window(logger, step, window, worker)
                 window = []
+                if config.log_completions:
+                    logger.log_table(step, "completions", COMPLETION_COLUMNS, completion_rows(
+                        samples, tokenizer, trained_version, step, config.num_completions_to_print))
             if config.save_strategy == "steps" and step % config.save_steps == 0:
                 saved_step = save(step)
         if window:  # the last, partial logging window

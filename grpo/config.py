@@ -207,10 +207,18 @@ class AsyncGRPOConfig:
     """Keep at most this many checkpoints."""
     resume_from_checkpoint: str | None = None
     """Checkpoint directory, or `latest` for the newest one in output_dir."""
+    report_to: tuple[Literal["tensorboard", "wandb", "trackio", "none"], ...] = ("tensorboard",)
+    """Experiment trackers (several allowed; `none` = only metrics.jsonl and the console). wandb honours WANDB_MODE
+    (offline: no account, `wandb sync` later); trackio logs locally (TRACKIO_DIR; `trackio show`)."""
+    run_name: str | None = None
+    """Run name shown by the trackers; None = the output_dir's name."""
+    tracker_project: str = "async-grpo"
+    """wandb / trackio project."""
     log_completions: bool = False
-    """Print sample completions at each log."""
+    """Log a completions table (prompt, completion, reward, advantage, staleness) at each log: printed to the
+    console and sent to the trackers."""
     num_completions_to_print: int | None = None
-    """How many completions to print; None = one group."""
+    """Rows of that table; None = one group."""
 
     def __post_init__(self) -> None:
         # names from Python fail here, at construction, not in the rollout worker after the model loaded
