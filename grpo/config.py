@@ -91,6 +91,18 @@ class AsyncGRPOConfig:
     chat_template_kwargs: dict[str, str | bool] = field(default_factory=dict)
     """Extra keyword arguments for `apply_chat_template`, e.g. enable_thinking=False."""
 
+    # ---- held-out evaluation (grpo/evaluation.py) ------------------------------------------------------------------
+    eval_dataset: str | None = None
+    """Held-out prompts (same forms as --dataset; Python: `train.main(..., eval_dataset=ds)`), evaluated every
+    eval_steps optimizer steps and at the end, by the rollout worker on the same servers while training goes on:
+    greedy and k sampled rollouts per prompt, scored by the reward functions, never trained or counted as consumed."""
+    eval_dataset_split: str = "test"
+    """Split of a Hub eval_dataset (a local file or builtin: task holds one split)."""
+    eval_steps: int = 50
+    """Optimizer steps between evaluations (0 = only the final one)."""
+    eval_num_generations: int = 4
+    """k: sampled rollouts per eval prompt (eval/pass@k, eval/mean@k), beside one greedy rollout (eval/reward)."""
+
     # ---- generation --------------------------------------------------------------------------------------------
     num_generations: int = 8
     """Rollouts per prompt (the group)."""
