@@ -380,6 +380,9 @@ def resolve_eval_dataset(config: AsyncGRPOConfig, eval_dataset, environment_fact
                                     require_prompt=environment_factory is None)
     elif eval_dataset is not None:
         validate_prompts(eval_dataset, "eval_dataset", require_prompt=environment_factory is None)
+    if eval_dataset is not None and config.eval_max_prompts is not None and config.eval_max_prompts < len(eval_dataset):
+        n = config.eval_max_prompts
+        eval_dataset = eval_dataset.select(range(n)) if hasattr(eval_dataset, "select") else list(eval_dataset)[:n]
     if eval_dataset is not None and (config.eval_num_generations < 1 or config.eval_steps < 0):
         raise ValueError(f"--eval-num-generations {config.eval_num_generations} --eval-steps {config.eval_steps}: "
                          f"pass k >= 1 and eval_steps >= 0 (0 = only the final evaluation)")

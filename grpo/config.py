@@ -98,6 +98,8 @@ class AsyncGRPOConfig:
     greedy and k sampled rollouts per prompt, scored by the reward functions, never trained or counted as consumed."""
     eval_dataset_split: str = "test"
     """Split of a Hub eval_dataset (a local file or builtin: task holds one split)."""
+    eval_max_prompts: int | None = None
+    """Evaluate only the first N eval prompts (None = all of them)."""
     eval_steps: int = 50
     """Optimizer steps between evaluations (0 = only the final one)."""
     eval_num_generations: int = 4
