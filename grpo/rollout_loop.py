@@ -55,7 +55,7 @@ class AsyncRolloutLoop(RolloutScheduler):
             prompt_ids, max_tokens=cfg.max_completion_length, temperature=override.get("temperature", cfg.temperature),
             top_p=cfg.top_p,
             top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, num_logprobs=num_logprobs,
-            use_generate_endpoint=cfg.uses_truncated_sampling, model=adapter)
+            use_generate_endpoint=cfg.uses_truncated_sampling and not override, model=adapter)
         self._generated_tokens += len(turn.output_ids)
         return turn
 
