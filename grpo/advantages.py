@@ -167,9 +167,10 @@ class AdvantageBatch:
     step: int  # the optimizer step being built (1-based)
 
 
-def batch_transforms(names: tuple[str, ...]) -> list[Callable]:
+def batch_transforms(names: tuple[str, ...] | str) -> list[Callable]:
     """Instances of the named transforms, in order (a class is instantiated once, here)."""
     transforms = registered_batch_transforms()
+    names = (names,) if isinstance(names, str) else names
     out = []
     for name in names:
         if name not in transforms:

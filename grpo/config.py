@@ -235,11 +235,11 @@ class AsyncGRPOConfig:
     """Rows of that table; None = one group."""
 
     def __post_init__(self) -> None:
-        # names from Python fail here, at construction, not in the rollout worker after the model loaded
-        self.advantage = estimator_options(self.advantage)
-        if isinstance(self.advantage_batch_transforms, str):
-            self.advantage_batch_transforms = (self.advantage_batch_transforms,)
-        unknown = set(self.advantage_batch_transforms) - set(registered_batch_transforms())
+        """Check (never change) the plug-in names: a typo from Python fails here, not in the rollout worker after
+        the model loaded. `advantage` may stay a registered name; readers resolve it with estimator_options."""
+        estimator_options(self.advantage)
+        names = self.advantage_batch_transforms
+        unknown = set((names,) if isinstance(names, str) else names) - set(registered_batch_transforms())
         if unknown:
             raise ValueError(f"unknown advantage batch transform(s) {sorted(unknown)}: use "
                              f"{sorted(registered_batch_transforms())} or register yours (docs/losses.md)")

@@ -28,10 +28,10 @@ from typing import Any
 SAMPLER_LOGPROB = -1.0
 """log q of every token of a case; log p = log q + log r."""
 HAND_CASES: dict[str, HandCase] = {}
-HOW_TO_ADD = ("add a hand-computed off-policy case next to the loss: `register_hand_case({name!r}, HandCase(ratios=..., "
-              "advantages=..., sequence_index=..., loss=..., grad=..., overrides=...))` from grpo.loss_kit (docs/losses.md, "
-              "'Adding a loss'); ratios != 1, both advantage signs, tokens inside and outside its bands, and options "
-              "whose asymmetric pairs differ")
+HOW_TO_ADD = ("add a hand-computed off-policy case next to the loss: `register_hand_case({name!r}, "
+              "HandCase(ratios=..., advantages=..., sequence_index=..., loss=..., grad=..., overrides=...))` from "
+              "grpo.loss_kit (docs/losses.md, 'Adding a loss'); ratios != 1, both advantage signs, tokens inside and "
+              "outside its bands, and options whose asymmetric pairs differ")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ def option_pairs(options: Any) -> list[tuple[str, str]]:
              if isinstance(getattr(options, f.name), (int, float)) and not isinstance(getattr(options, f.name), bool)}
     pairs = [("epsilon", "epsilon_high")] if {"epsilon", "epsilon_high"} <= names else []
     for low, high in (("_min", "_max"), ("_low", "_high")):
-        pairs += [(n, n[: -len(low)] + high) for n in sorted(names) if n.endswith(low) and n[: -len(low)] + high in names]
+        pairs += [(n, n[: -len(low)] + high) for n in sorted(names)
+                  if n.endswith(low) and n[: -len(low)] + high in names]
     return pairs
 
 

@@ -47,18 +47,16 @@ def check_trackers(report_to) -> list[str]:
 
 def resolved_config(config) -> dict[str, Any]:
     """The run's config as plain values, with the loss's and the estimator's registered names."""
-    from grpo.advantages import estimator_name
+    from grpo.advantages import estimator_name, estimator_options
+    from grpo.losses import registered_losses
 
-    out = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    out = dataclasses.asdict(config)
     out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
-    try:
-        from grpo.losses import registered_losses
-
-        out["loss_name"] = next((n for n, o in registered_losses().items() if type(o) is type(config.loss)),
-                                type(config.loss).__name__)
-        out["advantage_name"] = estimator_name(config.advantage)
-    except AttributeError:
-        pass
+    advantage = estimator_options(config.advantage)  # a registered name from Python -> its options
+    out["advantage"] = dataclasses.asdict(advantage)
+    out["loss_name"] = next((n for n, o in registered_losses().items() if type(o) is type(config.loss)),
+                            type(config.loss).__name__)
+    out["advantage_name"] = estimator_name(advantage)
     return out
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from grpo.advantages import (ESTIMATORS, apply_batch_transforms, batch_transforms, check_advantage_config,
-                             estimate_advantages, overlong_penalty, registered_batch_transforms,
+                             estimate_advantages, estimator_options, overlong_penalty, registered_batch_transforms,
                              registered_estimators)
 from grpo.samples import TrainingSample
 from grpo.scoring import is_kept
@@ -154,7 +154,7 @@ def test_options_are_checked_at_start():
         AsyncGRPOConfig(advantage="rlo")  # a Python typo fails at construction
     with pytest.raises(ValueError, match="batch_std"):
         AsyncGRPOConfig(advantage_batch_transforms=("batch_sdt",))
-    assert AsyncGRPOConfig(advantage="pass_at_k").advantage == PassAtKOptions()
+    assert estimator_options(AsyncGRPOConfig(advantage="pass_at_k").advantage) == PassAtKOptions()
 
 
 def _sample(group_id, rollout_id, advantage):

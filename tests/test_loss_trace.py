@@ -95,8 +95,8 @@ def _names() -> list[str]:
 @pytest.mark.parametrize("name", _names())
 def test_loss_trace_is_unchanged(name, tiny_qwen3):
     committed = json.loads(TRACES.read_text())
-    regenerate = (f"regenerate it with `PYTHONPATH=. python tests/test_loss_trace.py {name}` (with the plug-in module in "
-                  f"$GRPO_PLUGIN_MODULES for a loss outside grpo/) and commit tests/data/loss_traces.json")
+    regenerate = (f"regenerate it with `PYTHONPATH=. python tests/test_loss_trace.py {name}` (with the plug-in module "
+                  f"in $GRPO_PLUGIN_MODULES for a loss outside grpo/) and commit tests/data/loss_traces.json")
     assert name in committed, f"no committed trace for {name!r}: {regenerate}"
     got = run_trace(name, tiny_qwen3)
     for key in ("loss", "grad_norm"):
