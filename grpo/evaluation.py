@@ -7,7 +7,7 @@ and runs each eval prompt as one group on one server: 1 greedy rollout (temperat
 tools) and reward functions as training. Training does not stop: eval rollouts take server slots like any
 rollout, at most `EVAL_GROUPS_IN_FLIGHT` prompts at a time, and they are invisible to the trainer's queue, the
 token allowance, the prompt ledger and the epoch count. A request that arrives while an evaluation runs waits;
-versions requested meanwhile and superseded are skipped (`eval/skipped_count`).
+one superseded by a newer request before it started is skipped (counted by the trainer, `eval/skipped_count`).
 
 Metrics, pushed with the worker's others (logged in the trainer's next window): `eval/reward` (greedy reward, mean
 over prompts), `eval/mean@k` (mean sampled reward), `eval/pass@k` (mean over prompts of the best of the k sampled
@@ -65,11 +65,9 @@ async def run_eval_forever(scheduler) -> None:
         version = int(request.value)
         if version <= int(done.value):
             continue
-        skipped = scheduler._eval_requests_seen and version > scheduler._eval_last_seen_request + 1
-        scheduler._eval_requests_seen, scheduler._eval_last_seen_request = True, version
+        if scheduler.eval_started_value is not None:
+            scheduler.eval_started_value.value = version  # a later request now supersedes nothing unstarted
         metrics = await evaluate(scheduler, version)
-        if skipped:
-            metrics["eval/skipped_count"] = 1.0
         scheduler._metric_items += list(metrics.items())
         scheduler._flush_metrics()
         done.value = version

@@ -138,7 +138,7 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
             servers_alive=shared["servers_alive"])
         loop.skip_positions = spec.skip_positions
         loop.eval_dataset, loop.eval_request_value = spec.eval_dataset, shared["eval_request"]
-        loop.eval_done_value = shared["eval_done"]
+        loop.eval_started_value, loop.eval_done_value = shared["eval_started"], shared["eval_done"]
         asyncio.run(loop.run())
         # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
         # into a pipe nobody reads.
@@ -194,7 +194,7 @@ class RolloutWorker:
                            model_version=ctx.Value("q", model_version), token_allowance=ctx.Value("d", token_allowance),
                            queued_tokens=ctx.Value("q", 0), heartbeat=ctx.Value("d", time.time()),
                            failed=ctx.Event(), stop=ctx.Event(), eval_request=ctx.Value("q", 0),
-                           eval_done=ctx.Value("q", 0),
+                           eval_started=ctx.Value("q", 0), eval_done=ctx.Value("q", 0),
                            servers_alive=ctx.Array("b", [int(bool(a)) for a in (
                                servers_alive if servers_alive is not None else [1] * len(config.vllm_server_urls))]))
         self.process = None
@@ -261,7 +261,11 @@ class RolloutWorker:
         self.shared["model_version"].value = version
 
     def request_eval(self, version: int) -> None:
-        """Ask the worker to evaluate the held-out prompts at this weight version (grpo/evaluation.py)."""
+        """Ask the worker to evaluate the held-out prompts at this weight version (grpo/evaluation.py). A previous
+        request the worker has not started yet is superseded: counted in eval/skipped_count."""
+        pending = int(self.shared["eval_request"].value)
+        if pending > int(self.shared["eval_started"].value) and pending != version:
+            self._trainer_metrics.append(("eval/skipped_count", 1))
         self.shared["eval_request"].value = version
 
     def wait_eval(self, version: int, timeout: float) -> bool:

@@ -75,9 +75,7 @@ class RolloutScheduler:
     """Prompt positions a resumed run must not draw again (consumed before the checkpoint)."""
     eval_dataset = None
     """Held-out prompts; with the two shared values below the worker runs evaluations (grpo/evaluation.py)."""
-    eval_request_value = None
-    eval_done_value = None
-    _eval_requests_seen, _eval_last_seen_request = False, 0
+    eval_request_value = eval_started_value = eval_done_value = None
 
     def __init__(self, config: AsyncGRPOConfig, model_name: str, dataset, reward_funcs: list[Callable],
                  processing_class, eos_token_ids: list[int], rollout_buffer=None, model_version_value=None,

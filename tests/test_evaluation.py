@@ -79,3 +79,17 @@ def test_eval_groups_run_beside_training_and_are_never_trained(vllm_server, tiny
     while not samples.empty():
         published.append(samples.get())
     assert published and all(item.group_id >= 0 for item in published)  # nothing from the eval groups (< -1)
+
+
+def test_a_request_superseded_before_it_started_is_counted_as_skipped():
+    from grpo.config import AsyncGRPOConfig
+    from grpo.queue import RolloutWorker
+
+    worker = RolloutWorker(AsyncGRPOConfig(), dataset=[])
+    worker.request_eval(3)
+    worker.request_eval(5)  # the worker never started version 3
+    worker.shared["eval_started"].value = 5
+    worker.request_eval(7)  # 5 is running: it is not skipped, 7 waits for it
+    worker.request_eval(7)  # the same request again (the final eval after an eval step) skips nothing
+    assert worker.drain_metrics().count(("eval/skipped_count", 1)) == 1
+    assert worker.shared["eval_request"].value == 7
