@@ -226,8 +226,8 @@ class AsyncGRPOConfig:
     (offline: no account, `wandb sync` later); trackio logs locally (TRACKIO_DIR; `trackio show`)."""
     run_name: str | None = None
     """Run name shown by the trackers; None = the output_dir's name."""
-    tracker_project: str = "async-grpo"
-    """wandb / trackio project."""
+    project: str = "huggingface"
+    """wandb / trackio project (the spec's name and default)."""
     log_completions: bool = False
     """Log a completions table (prompt, completion, reward, advantage, staleness) at each log: printed to the
     console and sent to the trackers."""

@@ -136,9 +136,9 @@ def build_trackers(config) -> list:
         if tracker == "tensorboard":
             out.append(TensorBoardTracker(output_dir, name, resolved))
         elif tracker == "wandb":
-            out.append(WandbTracker(output_dir, name, resolved, config.tracker_project))
+            out.append(WandbTracker(output_dir, name, resolved, config.project))
         else:
-            out.append(TrackioTracker(output_dir, name, resolved, config.tracker_project))
+            out.append(TrackioTracker(output_dir, name, resolved, config.project))
     return out
 
 

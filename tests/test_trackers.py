@@ -44,7 +44,7 @@ def _sample(group_id, rollout_id, prompt, completion, reward, advantage, version
 def test_every_tracker_logs_metrics_config_and_the_completions_table(tmp_path, capsys):
     project = f"grpo-test-{os.getpid()}-{tmp_path.name}"
     config = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), report_to=("tensorboard", "wandb", "trackio"),
-                             run_name="kit-run", tracker_project=project, advantage="rloo", log_completions=True)
+                             run_name="kit-run", project=project, advantage="rloo", log_completions=True)
     logger = MetricsLogger(config.output_dir, trackers=build_trackers(config))
     logger.log(3, {"reward": 0.625, "eval/pass@k": 0.75, "loss": float("nan")})
     samples = [_sample(5, "r0", [0, 1], [2, 3], 1.0, 0.5, 6), _sample(5, "r1", [0, 1], [4], 0.0, -0.5, 7),

@@ -384,6 +384,6 @@ def test_research_workflow_end_to_end(train_server, tmp_path):
     assert all(r["eval/num_prompts"] == 3 and 0 <= r["eval/mean@k"] <= r["eval/pass@k"] <= 1 for r in evals)
     assert "completions at step 1" in proc.stdout and "staleness" in proc.stdout
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert (tmp_path / "trackio" / "async-grpo.db").exists()
+    assert (tmp_path / "trackio" / "huggingface.db").exists()
     config = json.loads((out / "repro" / "config.json").read_text())
     assert config["advantage"] == {"k": 2} and config["advantage_batch_transforms"] == ["batch_std"]
