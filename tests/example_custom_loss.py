@@ -1,7 +1,7 @@
 """A loss as a fork would write it outside grpo/: one options dataclass + one function + one registration line.
 
-Used by tests/test_losses.py to exercise the import-path hook (`GRPO_LOSS_MODULES=example_custom_loss`); train with
-it as `GRPO_LOSS_MODULES=example_custom_loss python train.py ... loss:example_reinforce --loss.scale 2`.
+Used by tests/test_losses.py to exercise the import-path hook (`GRPO_PLUGIN_MODULES=example_custom_loss`); train with
+it as `GRPO_PLUGIN_MODULES=example_custom_loss python train.py ... loss:example_reinforce --loss.scale 2`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 tests/test_losses.py runs them on every registered loss. To run them on your own loss loaded by import path:
 
-    GRPO_LOSS_MODULES=my_pkg.my_losses pytest tests/test_losses.py
+    GRPO_PLUGIN_MODULES=my_pkg.my_losses pytest tests/test_losses.py
 
 (the module's `@register_loss` functions join the registry, the CLI and these checks).
 

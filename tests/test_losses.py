@@ -1,7 +1,7 @@
 """Losses: the invariants of tests/loss_checks.py on every registered loss, a hand-computed case per loss, the
 score-centering estimator against exact expectations, the normaliser, the registry and the CLI.
 
-Your own loss by import path gets the same invariants: `GRPO_LOSS_MODULES=my_pkg.my_losses pytest tests/test_losses.py`.
+Your own loss by import path gets the same invariants: `GRPO_PLUGIN_MODULES=my_pkg.my_losses pytest tests/test_losses.py`.
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def test_cli_lists_every_loss_and_parses_its_options(capsys):
 
 
 def test_import_path_hook_runs_the_same_checks(monkeypatch):
-    """The documented hook: a module named in $GRPO_LOSS_MODULES registers its loss, which then gets every check."""
+    """The documented hook: a module named in $GRPO_PLUGIN_MODULES registers its loss, which then gets every check."""
     monkeypatch.setenv(LOSS_MODULES_ENV, "example_custom_loss")
     assert "example_reinforce" in registered_losses()
     check_loss("example_reinforce")
