@@ -1,7 +1,8 @@
 """Losses: the invariants of tests/loss_checks.py on every registered loss, a hand-computed case per loss, the
 score-centering estimator against exact expectations, the normaliser, the registry and the CLI.
 
-Your own loss by import path gets the same invariants: `GRPO_PLUGIN_MODULES=my_pkg.my_losses pytest tests/test_losses.py`.
+Your own loss by import path gets the same invariants and the kit:
+`GRPO_PLUGIN_MODULES=my_pkg.my_losses pytest tests/test_losses.py`.
 """
 
 from __future__ import annotations
