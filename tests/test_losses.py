@@ -380,3 +380,40 @@ def test_import_path_hook_runs_the_same_checks(monkeypatch):
     assert not matches(case, run_case("example_reinforce", case)) and not coverage_problems("example_reinforce", case)
     fn, options = get_loss("example_custom_loss:ExampleOptions")
     assert fn.__name__ == "example_reinforce" and options.scale == 1.0
+
+
+FORK_LOSS = '''
+"""A fork's loss without a hand-computed case."""
+from dataclasses import dataclass
+from grpo.losses import LossOutput, register_loss, sampling_metrics
+
+@dataclass(frozen=True)
+class CaselessOptions:
+    scale: float = 1.0
+
+@register_loss("caseless_reinforce", CaselessOptions())
+def caseless_reinforce(inputs, opts):
+    """REINFORCE without a case."""
+    kept = inputs.sampler_logprobs > -9999.0
+    raw = (inputs.policy_logprobs.detach() - inputs.sampler_logprobs).exp()
+    return LossOutput(-opts.scale * inputs.advantages * inputs.policy_logprobs, "token", kept,
+                      {k: v.detach() for k, v in sampling_metrics(inputs, raw, kept).items()})
+'''
+
+
+def test_a_plugin_loss_without_a_hand_case_fails_with_how_to_add_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "fork_caseless.py").write_text(FORK_LOSS)
+    repo = Path(__file__).resolve().parents[1]
+    env = os.environ | {"GRPO_PLUGIN_MODULES": "fork_caseless",
+                        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "caseless_reinforce"], env=env, capture_output=True, text=True, timeout=300, cwd=repo)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "test_every_loss_ships_a_hand_computed_case[caseless_reinforce]" in run.stdout
+    assert "register_hand_case('caseless_reinforce'" in run.stdout
+    assert "passed" in run.stdout  # its invariants ran (and pass): only the missing case fails
