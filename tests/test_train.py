@@ -217,7 +217,8 @@ def test_kill_and_resume_trains_each_prompt_once(tiny_qwen3, tmp_path):
 def test_torchrun_two_cpu_ranks(train_server, tmp_path):
     out = tmp_path / "run"
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd = torchrun + _train_cmd(train_server.base_url, out, "--max-steps", "3", "--save-strategy", "no")[1:]
+    cmd = torchrun + _train_cmd(train_server.base_url, out, "--max-steps", "3", "--save-strategy", "no",
+                                "--advantage-batch-transforms", "batch_std")[1:]  # the hook on every rank
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = _metrics(out)
