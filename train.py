@@ -5,8 +5,8 @@ loop: pull samples, pack them as prefix tries (one row per rank), forward/backwa
 push weights to vLLM every `weight_sync_steps`, log, checkpoint.
 
 Python API: `train.main(config, reward_funcs=[fn], train_dataset=ds, tools=[...], environment_factory=Env,
-loop_cls=MyLoop, peft_config=LoraConfig(...))`; every argument left None is taken from the config (registry names,
-`pkg.module:name`, the `lora_*` fields).
+loop_cls=MyLoop, peft_config=LoraConfig(...), eval_dataset=held_out)`; every argument left None is taken from the
+config (registry names, `pkg.module:name`, the `lora_*` fields, `eval_dataset`).
 """
 
 from __future__ import annotations
@@ -371,13 +371,33 @@ def policy_module(policy):
 
 # ------------------------------------------------------------------------------------------ the run
 
+def resolve_eval_dataset(config: AsyncGRPOConfig, eval_dataset, environment_factory):
+    """The held-out prompts: the Python argument, else `--eval-dataset` loaded; checked like the training set."""
+    from grpo.data import load_prompts, validate_prompts
+
+    if eval_dataset is None and config.eval_dataset is not None:
+        eval_dataset = load_prompts(config.eval_dataset, config.eval_dataset_split,
+                                    require_prompt=environment_factory is None)
+    elif eval_dataset is not None:
+        validate_prompts(eval_dataset, "eval_dataset", require_prompt=environment_factory is None)
+    if eval_dataset is not None and config.eval_max_prompts is not None and config.eval_max_prompts < len(eval_dataset):
+        n = config.eval_max_prompts
+        eval_dataset = eval_dataset.select(range(n)) if hasattr(eval_dataset, "select") else list(eval_dataset)[:n]
+    if eval_dataset is not None and (config.eval_num_generations < 1 or config.eval_steps < 0):
+        raise ValueError(f"--eval-num-generations {config.eval_num_generations} --eval-steps {config.eval_steps}: "
+                         f"pass k >= 1 and eval_steps >= 0 (0 = only the final evaluation)")
+    return eval_dataset
+
+
 def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=None, environment_factory=None,
-         loop_cls=None, peft_config=None) -> dict:
+         loop_cls=None, peft_config=None, eval_dataset=None) -> dict:
     import torch
 
     from grpo import checkpoint as ckpt
+    from grpo.advantages import apply_batch_transforms, batch_transforms, check_advantage_config
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import barrier, broadcast_object, hsdp_replicas, init_distributed
+    from grpo.evaluation import eval_due
     from grpo.flops import device_peak_flops
     from grpo.ledger import no_step_message, record_prompts
     from grpo.lora import adapter_versions_for, choose_sync_mode
@@ -387,6 +407,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.queue import RolloutWorker, staleness_allowance
     from grpo.repro import write_repro_bundle
     from grpo.step_plan import plan_step
+    from grpo.trackers import COMPLETION_COLUMNS, build_trackers, check_trackers, completion_rows
     from grpo.weight_sync import WeightSync, WeightSyncConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -394,9 +415,13 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     check_not_reimported()
     check_model_path(config.model)
     loss_fn = loss_function(config.loss)  # an options class without a registered loss fails here
+    check_advantage_config(config)  # the estimator, its options and the batch transforms, before any model loads
+    transforms = batch_transforms(config.advantage_batch_transforms)
+    check_trackers(config.report_to)  # a tracker whose library is missing fails here, with the pip command
     log.info("vLLM servers: %s", " ".join(config.vllm_server_urls))  # a malformed URL fails here, before the data
     reward_funcs, dataset, tools, environment_factory, loop_cls = resolve_inputs(
         config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
+    eval_dataset = resolve_eval_dataset(config, eval_dataset, environment_factory)
     info = init_distributed(config.vllm_server_timeout)
     hsdp_replicas(config.hsdp_replicas, info)  # a bad value fails here, before the server is contacted
     ckpt.check_shared_output_dir(config.output_dir)  # rank 0 writes what every rank reads back on resume
@@ -422,13 +447,15 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
 
     worker = stop_groups = None
     logger = MetricsLogger(config.output_dir, enabled=info.is_main,
-                           total_steps=config.max_steps if config.max_steps > 0 else None)
+                           total_steps=config.max_steps if config.max_steps > 0 else None,
+                           trackers=build_trackers(config) if info.is_main else [])
     if info.is_main:
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
                                skip_positions=state.get("consumed_above", []), lora_name=adapter and adapter.name,
                                servers_alive=sync.alive_flags, model_name=facts["served_model"],
+                               eval_dataset=eval_dataset,
                                token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
                                                                    * config.gradient_accumulation_steps))
         worker.start()
@@ -454,6 +481,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             plans = plan_step(worker, batcher, stop_groups, config.gradient_accumulation_steps, info)
             if not plans:
                 break
+            # the per-step advantage hook: every sample of the step (all ranks' rows), the same on every rank
+            apply_batch_transforms(transforms, [s for p in plans for row in p.rows for s in row], step + 1)
             # the last step of the epochs may close fewer micro-batches: they are trained, normalised by their count
             micro = [train_micro_batch(policy, p.rows[info.rank], p, loss_fn, config.loss, info.world_size,
                                        len(plans), autocast, config.max_completion_length) for p in plans]
@@ -464,7 +493,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             nonfinite_in_a_row = check_nonfinite(stepped, step, micro, float(grad_norm), nonfinite_in_a_row,
                                                  config.max_nonfinite_steps_in_a_row)
             sync_due = sync_due or step % config.weight_sync_steps == 0
-            sync_metrics = {}
+            sync_metrics, trained_version = {}, version
             if sync_due and stepped:  # a skipped step's sync waits for the next step that trains
                 version += 1
                 sync_metrics = sync.sync(model, version)
@@ -474,6 +503,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                 worker.set_allowance_from_step(sum(len(s) for s in samples))
                 worker.set_model_version(version)
                 worker.mark_trained(samples)
+                if eval_dataset is not None and eval_due(step, config.eval_steps):
+                    worker.request_eval(version)  # run by the worker at this version; training goes on
                 record_prompts(config.output_dir, step, samples, state, worker.drain_drops())
             step_metrics = step_summary(plans, samples, micro, info, time.perf_counter() - t_step, optimizer_s,
                                         sync_metrics, model.config, peak)
@@ -486,10 +517,19 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             if step % config.logging_steps == 0:
                 log_window(logger, step, window, worker)
                 window = []
+                if config.log_completions:
+                    logger.log_table(step, "completions", COMPLETION_COLUMNS, completion_rows(
+                        samples, tokenizer, trained_version, step, config.num_completions_to_print))
             if config.save_strategy == "steps" and step % config.save_steps == 0:
                 saved_step = save(step)
         if window:  # the last, partial logging window
             log_window(logger, step, window, worker)
+        if eval_dataset is not None and info.is_main and step > state["step"]:  # the final evaluation, waited for
+            worker.request_eval(version)
+            if not worker.wait_eval(version, config.vllm_server_timeout):
+                log.warning("the final evaluation (weight version %d) did not finish within %.0f s", version,
+                            config.vllm_server_timeout)
+            log_window(logger, step, [], worker)
         if info.is_main:  # drops booked after the last step (e.g. while the epochs ran out)
             record_prompts(config.output_dir, step, None, state, worker.drain_drops())
         if step == state["step"]:

@@ -51,7 +51,7 @@ def _presets():
         ("dapo", ClippedOptions(epsilon_high=0.28, normalizer="token"),
          "DAPO (arXiv 2503.14476): clip-higher epsilon_high = 0.28, token-level normaliser."),
         ("dr_grpo", ClippedOptions(normalizer="constant"),
-         "Dr. GRPO (arXiv 2503.20783): constant normaliser; pair with --advantage-estimator no_std."),
+         "Dr. GRPO (arXiv 2503.20783): constant normaliser; pair with advantage:no_std."),
         ("gspo", ClippedOptions(epsilon=3e-4, epsilon_high=4e-4, ratio_level="sequence", normalizer="sequence"),
          "GSPO (arXiv 2507.18071): sequence-level ratio exp(mean log p/q), clip 3e-4 / 4e-4, sequence mean."),
         ("off_policy_masked", ClippedOptions(epsilon_high=0.28, normalizer="token", off_policy_mask_threshold=0.1),

@@ -17,14 +17,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from grpo.advantages import ESTIMATORS
+from grpo.advantages import (GroupStdOptions, batch_transform_cli_type, estimator_cli_union, estimator_options,
+                             registered_batch_transforms)
 from grpo.losses import loss_cli_union, sampler_needs
 from grpo.score_centering import ScoreCenteringOptions
 
 DEFAULT_DATASET = "trl-lib/DeepMath-103K"
 LossOptions = loss_cli_union()
 """Union of the registered losses' options classes, one tyro subcommand `loss:NAME` per registered loss."""
-AdvantageEstimator = Literal[tuple(ESTIMATORS)]  # the registered estimator names (built after the loss modules)
+AdvantageOptions = estimator_cli_union()
+"""Union of the registered estimators' options classes, one tyro subcommand `advantage:NAME` per estimator."""
+BatchTransformNames = batch_transform_cli_type()
+"""The registered advantage batch transforms' names (described in --help)."""
 
 
 @dataclass
@@ -87,6 +91,20 @@ class AsyncGRPOConfig:
     chat_template_kwargs: dict[str, str | bool] = field(default_factory=dict)
     """Extra keyword arguments for `apply_chat_template`, e.g. enable_thinking=False."""
 
+    # ---- held-out evaluation (grpo/evaluation.py) ------------------------------------------------------------------
+    eval_dataset: str | None = None
+    """Held-out prompts (same forms as --dataset; Python: `train.main(..., eval_dataset=ds)`), evaluated every
+    eval_steps optimizer steps and at the end, by the rollout worker on the same servers while training goes on:
+    greedy and k sampled rollouts per prompt, scored by the reward functions, never trained or counted as consumed."""
+    eval_dataset_split: str = "test"
+    """Split of a Hub eval_dataset (a local file or builtin: task holds one split)."""
+    eval_max_prompts: int | None = None
+    """Evaluate only the first N eval prompts (None = all of them)."""
+    eval_steps: int = 50
+    """Optimizer steps between evaluations (0 = only the final one)."""
+    eval_num_generations: int = 4
+    """k: sampled rollouts per eval prompt (eval/pass@k, eval/mean@k), beside one greedy rollout (eval/reward)."""
+
     # ---- generation --------------------------------------------------------------------------------------------
     num_generations: int = 8
     """Rollouts per prompt (the group)."""
@@ -120,8 +138,10 @@ class AsyncGRPOConfig:
     loss: LossOptions = field(default_factory=ScoreCenteringOptions)
     """The loss and its options: `loss:NAME --loss.OPTION VALUE` (one subcommand per registered loss; default
     score centering). Each option's meaning is in `train.py loss:NAME --help`."""
-    advantage_estimator: AdvantageEstimator = "group_std"
-    """Advantage of a rollout from its group's rewards: group_std (GRPO), no_std (Dr. GRPO), rloo."""
+    advantage: AdvantageOptions = field(default_factory=GroupStdOptions)
+    """The advantage estimator and its options: `advantage:NAME --advantage.OPTION VALUE` (one subcommand per
+    registered estimator; default group_std). Python: an options instance or a registered name."""
+    advantage_batch_transforms: BatchTransformNames = ()
     drop_equal_reward_groups: bool = True
     """Drop groups whose scorable rewards are all equal (zero advantage; the spec's rule, DAPO's dynamic sampling).
     False trains them too: they add no gradient but count in the token/sequence normalisers."""
@@ -201,10 +221,28 @@ class AsyncGRPOConfig:
     """Keep at most this many checkpoints."""
     resume_from_checkpoint: str | None = None
     """Checkpoint directory, or `latest` for the newest one in output_dir."""
+    report_to: tuple[Literal["tensorboard", "wandb", "trackio", "none"], ...] = ("tensorboard",)
+    """Experiment trackers (several allowed; `none` = only metrics.jsonl and the console). wandb honours WANDB_MODE
+    (offline: no account, `wandb sync` later); trackio logs locally (TRACKIO_DIR; `trackio show`)."""
+    run_name: str | None = None
+    """Run name shown by the trackers; None = the output_dir's name."""
+    project: str = "huggingface"
+    """wandb / trackio project (the spec's name and default)."""
     log_completions: bool = False
-    """Print sample completions at each log."""
+    """Log a completions table (prompt, completion, reward, advantage, staleness) at each log: printed to the
+    console and sent to the trackers."""
     num_completions_to_print: int | None = None
-    """How many completions to print; None = one group."""
+    """Rows of that table; None = one group."""
+
+    def __post_init__(self) -> None:
+        """Check (never change) the plug-in names: a typo from Python fails here, not in the rollout worker after
+        the model loaded. `advantage` may stay a registered name; readers resolve it with estimator_options."""
+        estimator_options(self.advantage)
+        names = self.advantage_batch_transforms
+        unknown = set((names,) if isinstance(names, str) else names) - set(registered_batch_transforms())
+        if unknown:
+            raise ValueError(f"unknown advantage batch transform(s) {sorted(unknown)}: use "
+                             f"{sorted(registered_batch_transforms())} or register yours (docs/losses.md)")
 
     @property
     def num_sampler_logprobs(self) -> int:

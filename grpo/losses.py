@@ -7,8 +7,9 @@ or torch.distributed: `normalized_loss` (called by the trainer) divides by the n
 FSDP gradient mean over W ranks and the sum over GA accumulation steps give the step's loss (docs/losses.md).
 
 Adding a variant (docs/losses.md): a frozen options dataclass (flat, not a subclass of another options class) and
-a function decorated with `@register_loss("name", Options())`, in any module of `grpo/` listed in `BUILTIN_MODULES`
-or in a module named by the `GRPO_LOSS_MODULES` environment variable (comma separated). It then appears on the CLI
+a function decorated with `@register_loss("name", Options())`, in any module of `grpo/` listed in
+`grpo.plugins.BUILTIN_MODULES` or in a module named by the `GRPO_PLUGIN_MODULES` environment variable (comma
+separated; `GRPO_LOSS_MODULES` is its earlier name). It then appears on the CLI
 as `loss:name` with its options, and tests/test_losses.py runs the invariants on it. Options may define
 `sampler_needs() -> SamplerNeeds` to ask the rollout worker for what the loss reads (e.g. top-k logprobs).
 
@@ -20,7 +21,6 @@ and no KL term. docs/losses.md lists every deliberate departure, per family, wit
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,10 +31,9 @@ if TYPE_CHECKING:
 
 SAMPLER_NEG_INF = -9999.0
 """vLLM reports -inf logprobs as -9999.0; anything at or below it is treated as -inf."""
-BUILTIN_MODULES = ("grpo.score_centering", "grpo.clipped_losses", "grpo.importance_sampling")
-"""Modules whose import registers the built-in losses (score centering first: it is the default)."""
-LOSS_MODULES_ENV = "GRPO_LOSS_MODULES"
-"""Environment variable naming extra modules (comma separated) whose losses join the registry, CLI and tests."""
+LOSS_MODULES_ENV = "GRPO_PLUGIN_MODULES"
+"""Environment variable naming extra modules (comma separated) whose losses join the registry, CLI and tests
+(grpo/plugins.py; the earlier name GRPO_LOSS_MODULES is still read)."""
 
 Normalizer = Literal["token", "sequence", "constant"]
 """What `normalized_loss` divides the summed terms by (global over ranks, per micro-batch):
@@ -134,12 +133,10 @@ def register_loss(name: str, options: Any, description: str | None = None) -> Ca
 
 
 def registered_losses() -> dict[str, Any]:
-    """Every registered loss: the built-in modules plus those named by $GRPO_LOSS_MODULES (imported here)."""
-    from grpo.imports import resolve_import
+    """Every registered loss: the built-in modules plus those named by $GRPO_PLUGIN_MODULES (imported here)."""
+    from grpo.plugins import import_plugins
 
-    extra = [m.strip() for m in os.environ.get(LOSS_MODULES_ENV, "").split(",") if m.strip()]
-    for module in (*BUILTIN_MODULES, *extra):
-        resolve_import(f"{module}:__name__", "loss")
+    import_plugins()
     return LOSSES
 
 

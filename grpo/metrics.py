@@ -12,8 +12,8 @@ NaNs are dropped first; a name whose every item is NaN reduces to NaN. The train
 reduce through this one rule. Counters in `ALWAYS_LOGGED_COUNTERS` are logged as 0 in a window without events, so
 "nothing happened" is visible rather than a missing key.
 
-`MetricsLogger` writes each reduced window to TensorBoard and as one line of `metrics.jsonl`, and prints a
-one-line console summary.
+`MetricsLogger` writes each reduced window as one line of `metrics.jsonl`, prints a one-line console summary and
+passes it to the trackers of `--report-to` (grpo/trackers.py; TensorBoard by default).
 """
 
 from __future__ import annotations
@@ -121,26 +121,30 @@ def console_line(step: int, metrics: dict[str, float], total_steps: int | None =
 
 
 class MetricsLogger:
-    """TensorBoard scalars + `metrics.jsonl` + a console line per log. Disabled (non-zero ranks) = no-op."""
+    """`metrics.jsonl` + a console line + the trackers per log. Disabled (non-zero ranks) = no-op.
+
+    `trackers` None = TensorBoard alone (grpo/trackers.py builds the `--report-to` list)."""
 
     def __init__(self, output_dir: str | Path, enabled: bool = True, console: bool = True,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, trackers: list | None = None):
         self.enabled, self.console, self.total_steps = enabled, console, total_steps
         self.output_dir = Path(output_dir)
-        self._writer = None
         self._jsonl = None
+        self.trackers: list = []
         if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+            if trackers is None:
+                from grpo.trackers import TensorBoardTracker
+
+                trackers = [TensorBoardTracker(self.output_dir, self.output_dir.name, {})]
+            self.trackers = list(trackers)
             self._jsonl = open(self.output_dir / "metrics.jsonl", "a")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        for name, value in metrics.items():
-            self._writer.add_scalar(name, value, step)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
         record = {"step": step, "time": time.time()}
         record.update({k: (None if _is_nan(v) else v) for k, v in metrics.items()})
         self._jsonl.write(json.dumps(record) + "\n")
@@ -148,8 +152,20 @@ class MetricsLogger:
         if self.console:
             print(console_line(step, metrics, self.total_steps), flush=True)
 
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list]) -> None:
+        """A table (e.g. the completions of --log-completions): printed, and sent to every tracker."""
+        if not self.enabled or not rows:
+            return
+        from grpo.trackers import format_table
+
+        if self.console:
+            print(f"{key} at step {step}:\n{format_table(columns, rows)}", flush=True)
+        for tracker in self.trackers:
+            tracker.log_table(step, key, columns, rows)
+
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._jsonl is not None:
+            for tracker in self.trackers:
+                tracker.close()
             self._jsonl.close()
-            self._writer = self._jsonl = None
+            self._jsonl, self.trackers = None, []

@@ -85,6 +85,7 @@ class WorkerSpec:
     dataset_start_index: int
     skip_positions: frozenset[int] = frozenset()
     parent_pid: int = 0
+    eval_dataset: Any = None
 
 
 def format_exception(exc: BaseException) -> str:
@@ -136,6 +137,8 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
             queued_tokens_value=shared["queued_tokens"], stop_event=shared["stop"],
             servers_alive=shared["servers_alive"])
         loop.skip_positions = spec.skip_positions
+        loop.eval_dataset, loop.eval_request_value = spec.eval_dataset, shared["eval_request"]
+        loop.eval_started_value, loop.eval_done_value = shared["eval_started"], shared["eval_done"]
         asyncio.run(loop.run())
         # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
         # into a pipe nobody reads.
@@ -177,19 +180,21 @@ class RolloutWorker:
                  loop_cls=None, model_name: str | None = None, tokenizer_path: str | None = None,
                  eos_token_ids: list[int] | None = None, lora_name: str | None = None, dataset_start_index: int = 0,
                  skip_positions=(), token_allowance: float = math.inf, model_version: int = 0,
-                 servers_alive=None):
+                 servers_alive=None, eval_dataset=None):
         import torch.multiprocessing as mp
 
         self.config = config
         self._ctx = mp.get_context("spawn")
         self.spec = WorkerSpec(config, loop_cls or config.loop_cls, dataset, list(reward_funcs), list(tools),
                                environment_factory, model_name or config.model, tokenizer_path or config.model,
-                               eos_token_ids, lora_name, dataset_start_index, frozenset(skip_positions), os.getpid())
+                               eos_token_ids, lora_name, dataset_start_index, frozenset(skip_positions), os.getpid(),
+                               eval_dataset)
         ctx = self._ctx
         self.shared = dict(samples=ctx.Queue(), metrics=ctx.Queue(), exceptions=ctx.Queue(),
                            model_version=ctx.Value("q", model_version), token_allowance=ctx.Value("d", token_allowance),
                            queued_tokens=ctx.Value("q", 0), heartbeat=ctx.Value("d", time.time()),
-                           failed=ctx.Event(), stop=ctx.Event(),
+                           failed=ctx.Event(), stop=ctx.Event(), eval_request=ctx.Value("q", 0),
+                           eval_started=ctx.Value("q", 0), eval_done=ctx.Value("q", 0),
                            servers_alive=ctx.Array("b", [int(bool(a)) for a in (
                                servers_alive if servers_alive is not None else [1] * len(config.vllm_server_urls))]))
         self.process = None
@@ -255,6 +260,24 @@ class RolloutWorker:
     # ---- shared values -------------------------------------------------------------------------------------------
     def set_model_version(self, version: int) -> None:
         self.shared["model_version"].value = version
+
+    def request_eval(self, version: int) -> None:
+        """Ask the worker to evaluate the held-out prompts at this weight version (grpo/evaluation.py). A previous
+        request the worker has not started yet is superseded: counted in eval/skipped_count."""
+        pending = int(self.shared["eval_request"].value)
+        if pending > int(self.shared["eval_started"].value) and pending != version:
+            self._trainer_metrics.append(("eval/skipped_count", 1))
+        self.shared["eval_request"].value = version
+
+    def wait_eval(self, version: int, timeout: float) -> bool:
+        """Block until the evaluation of `version` is done (True), the timeout passes (False) or the worker dies."""
+        deadline = time.monotonic() + timeout
+        while self.shared["eval_done"].value < version:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def set_token_allowance(self, tokens: float) -> None:
         self.shared["token_allowance"].value = float(tokens)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from grpo.advantages import estimate_advantages
+from grpo.evaluation import sampling_override_var
 from grpo.multiturn import parse_tool_calls
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TurnRecord
 from grpo.scheduler import RolloutScheduler, model_version_var
@@ -48,11 +49,13 @@ class AsyncRolloutLoop(RolloutScheduler):
         version = model_version_var.get()
         adapter = f"{self.lora_name}-v{version}" if self.lora_name and version > 0 else None
         num_logprobs = cfg.num_sampler_logprobs  # what the loss declared it needs (SamplerNeeds)
+        override = sampling_override_var.get() or {}  # greedy eval rollouts (grpo/evaluation.py)
         await self._check_completion_length()  # warns once when max_completion_length >= max_model_len
         turn = await self.client.generate(
-            prompt_ids, max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+            prompt_ids, max_tokens=cfg.max_completion_length, temperature=override.get("temperature", cfg.temperature),
+            top_p=cfg.top_p,
             top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, num_logprobs=num_logprobs,
-            use_generate_endpoint=cfg.uses_truncated_sampling, model=adapter)
+            use_generate_endpoint=cfg.uses_truncated_sampling and not override, model=adapter)
         self._generated_tokens += len(turn.output_ids)
         return turn
 
@@ -109,7 +112,7 @@ class AsyncRolloutLoop(RolloutScheduler):
         """Advantages [G] by the configured estimator (grpo/advantages.py); NaN rewards get 0."""
         cfg = self.config
         lengths = np.array([len(r.completion_ids) for r in group.rollouts])
-        return estimate_advantages(cfg.advantage_estimator, group.rewards, lengths, cfg.max_completion_length,
+        return estimate_advantages(cfg.advantage, group.rewards, lengths, cfg.max_completion_length,
                                    cfg.overlong_buffer_length, cfg.overlong_penalty_factor)
 
 

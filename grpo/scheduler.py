@@ -73,6 +73,9 @@ class RolloutScheduler:
     """Seconds between `/metrics` polls (spec: 5 s). Tests lower it in a subclass."""
     skip_positions: frozenset[int] = frozenset()
     """Prompt positions a resumed run must not draw again (consumed before the checkpoint)."""
+    eval_dataset = None
+    """Held-out prompts; with the two shared values below the worker runs evaluations (grpo/evaluation.py)."""
+    eval_request_value = eval_started_value = eval_done_value = None
 
     def __init__(self, config: AsyncGRPOConfig, model_name: str, dataset, reward_funcs: list[Callable],
                  processing_class, eos_token_ids: list[int], rollout_buffer=None, model_version_value=None,
@@ -260,8 +263,19 @@ class RolloutScheduler:
         if failed:
             self._drop_unreset_group(group_id, row_index, results, failed)
             return
+        group = self.group_from_results(results, group_id, row_index, row, version)
+        start = time.perf_counter()
+        group.queued_at = time.monotonic()
+        await self._score_queue.put(group)
+        if (blocked := time.perf_counter() - start) > 1e-3:
+            self._push("rollout/score_block_s", blocked)
+
+    @staticmethod
+    def group_from_results(results: list[_RolloutResult], group_id: int, row_index: int, row: dict,
+                           version: int) -> RolloutGroup:
+        """The RolloutGroup of a prompt's finished rollouts (every one with a rollout), ready for scoring."""
         kwargs = {k: [v] * len(results) for k, v in row.items() if k != "prompt"}
-        group = RolloutGroup(
+        return RolloutGroup(
             prompts=[r.prompt for r in results], reward_kwargs=kwargs,
             completions=[r.rollout.completion for r in results],
             completions_ids=[r.rollout.completion_ids for r in results],
@@ -271,11 +285,10 @@ class RolloutScheduler:
             model_version=version, group_id=group_id, row_index=row_index,
             env_rewards=[r.env_reward for r in results], rollout_rewards=[r.rollout.reward for r in results],
             rollouts=[r.rollout for r in results])
-        start = time.perf_counter()
-        group.queued_at = time.monotonic()
-        await self._score_queue.put(group)
-        if (blocked := time.perf_counter() - start) > 1e-3:
-            self._push("rollout/score_block_s", blocked)
+
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """The held-out prompts (grpo/evaluation.py)."""
+        return [dict(self.eval_dataset[i]) for i in range(len(self.eval_dataset))]
 
     def _drop_unreset_group(self, group_id: int, row_index: int, results: list[_RolloutResult],
                             failed: list[EnvResetError]) -> None:
@@ -442,6 +455,10 @@ class RolloutScheduler:
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(self._heartbeat_forever()), tg.create_task(self._poll_forever()),
                           tg.create_task(self._score_forever())]
+            if self.eval_dataset is not None and self.eval_request_value is not None:
+                from grpo.evaluation import run_eval_forever
+
+                background.append(tg.create_task(run_eval_forever(self)))
             await self._dispatch(tg, max_groups)
             while not self._stopping() and self.allowance.inflight_groups > 0:
                 await asyncio.sleep(0.05)

@@ -1,6 +1,6 @@
 """Ablation runner: a grid of loss variants x seeds trained against one vLLM server, then a table and plots.
 
-    python scripts/ablate.py --variants score_centering grpo dapo "dr_grpo+advantage_estimator=no_std" \\
+    python scripts/ablate.py --variants score_centering grpo dapo "dr_grpo+advantage=no_std" \\
         --seeds 0 1 2 --set max_steps=40 num_generations=8 --out docs/ablation
 
 A variant is a registered loss name (`train.py --help` lists them) optionally followed by `+key=value` overrides
@@ -8,7 +8,10 @@ for that variant only (`loss.key` sets a loss option, anything else a run option
 Runs go one at a time (one server holds one policy's weights; every run starts with a cold weight sync), each in
 `OUT/runs/VARIANT/seedS/` with train.py's reproduction bundle, train.log and metrics.jsonl. Existing finished runs
 are kept (delete a run directory to redo it); `--report-only` rebuilds the table and plots from the run
-directories. Output: OUT/ablation.md, OUT/ablation.csv, OUT/reward.png, OUT/sampling.png, OUT/entropy.png.
+directories; `--dry-run` prints every run's command and starts nothing. With held-out evaluation in the runs
+(`--set eval_dataset=held_out.jsonl eval_steps=10`) the table has each run's final eval/reward, eval/pass@k and
+eval/mean@k beside the training reward. Output: OUT/ablation.md, OUT/ablation.csv, OUT/reward.png,
+OUT/sampling.png, OUT/entropy.png.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Args:
-    variants: tuple[str, ...] = ("score_centering", "grpo", "dapo", "dr_grpo+advantage_estimator=no_std", "gspo",
+    variants: tuple[str, ...] = ("score_centering", "grpo", "dapo", "dr_grpo+advantage=no_std", "gspo",
                                  "cispo")
     """Loss variants: registered name, optionally `name+key=value+...` (run or `loss.` options for that variant)."""
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -52,6 +55,8 @@ class Args:
     """Final reward = mean reward of the last `window` logged steps."""
     report_only: bool = False
     """Skip training; rebuild the table and plots from OUT/runs."""
+    dry_run: bool = False
+    """Print the train.py command of every run and exit (nothing is started)."""
     run_timeout: float = 1800.0
     """Seconds after which a run is killed and reported as failed."""
     base_args: tuple[str, ...] = field(default=(
@@ -63,7 +68,7 @@ class Args:
 # ---------------------------------------------------------------------------------------------- the grid
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
-    """`dr_grpo+advantage_estimator=no_std` -> ("dr_grpo", {"advantage_estimator": "no_std"})."""
+    """`dr_grpo+advantage=no_std` -> ("dr_grpo", {"advantage": "no_std"})."""
     name, *pairs = spec.split("+")
     return name, dict(_pair(p) for p in pairs)
 
@@ -83,14 +88,22 @@ def _flag(key: str, value: str) -> list[str]:
 
 
 def train_command(args: Args, variant: str, seed: int, url: str, run_dir: Path) -> list[str]:
-    """train.py argv for one run: base args, --set, the variant's options, then `loss:NAME --loss.x v`."""
+    """train.py argv for one run: base args, --set, the variant's options, then `loss:NAME --loss.x v` and
+    `advantage:NAME --advantage.x v` (`advantage=NAME` picks the estimator; `advantage_estimator=` is its old name)."""
     name, overrides = parse_variant(variant)
     options = dict(_pair(s) for s in args.set) | overrides
-    run_opts = [a for k, v in options.items() if not k.startswith("loss.") for a in _flag(k, v)]
+    estimator = options.pop("advantage", None) or options.pop("advantage_estimator", None)
+    options.pop("advantage_estimator", None)
+    nested = ("loss.", "advantage.")
+    run_opts = [a for k, v in options.items() if not k.startswith(nested) for a in _flag(k, v)]
     loss_opts = [a for k, v in options.items() if k.startswith("loss.") for a in _flag(k, v)]
+    advantage_opts = [a for k, v in options.items() if k.startswith("advantage.") for a in _flag(k, v)]
+    if advantage_opts and estimator is None:
+        raise SystemExit(f"{variant}: advantage.* options need the estimator too (advantage=NAME)")
+    advantage = [f"advantage:{estimator}", *advantage_opts] if estimator else []
     return [sys.executable, str(REPO / "train.py"), "--model", args.model, "--dataset", args.dataset,
             "--reward-funcs", *args.reward_funcs, "--vllm-server-base-url", url, *args.base_args,
-            "--seed", str(seed), "--output-dir", str(run_dir), *run_opts, f"loss:{name}", *loss_opts]
+            "--seed", str(seed), "--output-dir", str(run_dir), *run_opts, f"loss:{name}", *loss_opts, *advantage]
 
 
 def run_one(args: Args, variant: str, seed: int, url: str) -> Path:
@@ -136,7 +149,10 @@ def start_server(args: Args):
 # ---------------------------------------------------------------------------------------------- the report
 
 COLUMNS = ("variant", "seeds", "final_reward_mean", "final_reward_std", "first_reward_mean", "steps_to_threshold",
-           "trained_tokens_per_s", "staleness_mean", "is_masked_frac", "is_ratio_mean", "wall_s_per_run")
+           "final_eval_reward", "final_eval_pass@k", "final_eval_mean@k", "trained_tokens_per_s", "staleness_mean",
+           "is_masked_frac", "is_ratio_mean", "wall_s_per_run")
+EVAL_KEYS = {"final_eval_reward": "eval/reward", "final_eval_pass@k": "eval/pass@k", "final_eval_mean@k": "eval/mean@k"}
+"""Each run's last logged value of the eval metric (runs with --set eval_dataset=...; nan without)."""
 
 
 def _mean(values) -> float:
@@ -162,7 +178,13 @@ def run_summary(rows: list[dict], threshold: float, window: int) -> dict:
             "staleness": _mean(series(rows, "sample/staleness_mean")[1]),
             "masked": _mean(series(rows, "sampling/masked_mean")[1]),
             "is_ratio": _mean(series(rows, "sampling/importance_sampling_ratio/mean")[1]),
-            "seconds": rows[-1]["time"] - rows[0]["time"] if rows and "time" in rows[0] else math.nan}
+            "seconds": rows[-1]["time"] - rows[0]["time"] if rows and "time" in rows[0] else math.nan,
+            **{column: _last(series(rows, key)[1]) for column, key in EVAL_KEYS.items()}}
+
+
+def _last(values) -> float:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return values[-1] if values else math.nan
 
 
 def summarize(variants: dict[str, list[list[dict]]], threshold: float, window: int) -> list[dict]:
@@ -177,6 +199,7 @@ def summarize(variants: dict[str, list[list[dict]]], threshold: float, window: i
             "steps_to_threshold": (f"{_mean([x for x in reached if x is not None]):.0f} "
                                    f"({sum(x is not None for x in reached)}/{len(reached)})"
                                    if any(x is not None for x in reached) else f"- (0/{len(reached)})"),
+            **{column: _mean(r[column] for r in s) for column in EVAL_KEYS},
             "trained_tokens_per_s": _mean(r["tokens_per_s"] for r in s),
             "staleness_mean": _mean(r["staleness"] for r in s), "is_masked_frac": _mean(r["masked"] for r in s),
             "is_ratio_mean": _mean(r["is_ratio"] for r in s), "wall_s_per_run": _mean(r["seconds"] for r in s)})
@@ -196,12 +219,14 @@ def write_report(args: Args, variants: dict[str, list[list[dict]]]) -> None:
         writer.writeheader()
         writer.writerows(table)
     header = ("| variant | seeds | final reward (mean ± std) | first reward | steps to "
-              f"{args.threshold:g} (runs reaching) | trained tok/s | staleness | IS masked frac | IS ratio | "
-              "wall s/run |")
-    lines = [header, "|" + "---|" * 10]
+              f"{args.threshold:g} (runs reaching) | final eval reward (greedy) | final eval pass@k | "
+              "final eval mean@k | trained tok/s | staleness | IS masked frac | IS ratio | wall s/run |")
+    lines = [header, "|" + "---|" * 13]
     for r in table:
         lines.append(f"| {r['variant']} | {r['seeds']} | {_fmt(r['final_reward_mean'])} ± "
                      f"{_fmt(r['final_reward_std'])} | {_fmt(r['first_reward_mean'])} | {r['steps_to_threshold']} | "
+                     f"{_fmt(r['final_eval_reward'])} | {_fmt(r['final_eval_pass@k'])} | "
+                     f"{_fmt(r['final_eval_mean@k'])} | "
                      f"{_fmt(r['trained_tokens_per_s'])} | {_fmt(r['staleness_mean'])} | "
                      f"{_fmt(r['is_masked_frac'])} | {_fmt(r['is_ratio_mean'])} | {_fmt(r['wall_s_per_run'])} |")
     (args.out / "ablation.md").write_text("\n".join(lines) + "\n")
@@ -228,6 +253,15 @@ def collect(args: Args) -> dict[str, list[list[dict]]]:
 
 
 def main(args: Args) -> None:
+    if args.dry_run:
+        import shlex
+
+        url = args.server_url or "http://SERVER:PORT"
+        for seed in args.seeds:
+            for variant in args.variants:
+                run_dir = args.out / "runs" / variant / f"seed{seed}"
+                print(shlex.join(train_command(args, variant, seed, url, run_dir)))
+        return
     if not args.report_only:
         server = None if args.server_url else start_server(args)
         url = args.server_url or server.base_url

@@ -2,7 +2,7 @@
 
 tests/test_losses.py runs them on every registered loss. To run them on your own loss loaded by import path:
 
-    GRPO_LOSS_MODULES=my_pkg.my_losses pytest tests/test_losses.py
+    GRPO_PLUGIN_MODULES=my_pkg.my_losses pytest tests/test_losses.py
 
 (the module's `@register_loss` functions join the registry, the CLI and these checks).
 
@@ -21,9 +21,10 @@ from grpo.losses import LossInputs, LossOutput, get_loss, normalized_loss
 V = 6
 REQUIRED_METRICS = {"sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                     "sampling/importance_sampling_ratio/max", "sampling/masked_mean",
-                    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-                    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-                    "clip_ratio/high_max"}
+                    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"}
+CLIP_METRICS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max"}
+"""Optional (a loss without a trust region has none), but all of them or none (grpo.losses.clip_metrics)."""
 
 
 def structured_case(lengths=(3, 2, 4), k: int = 3, seed: int = 0, on_policy: bool = False, noise: float = 0.3):
@@ -117,6 +118,8 @@ def check_metrics_and_empty_rows(name: str) -> None:
     case = structured_case(seed=3)
     out = fn(make_inputs(*case), options)
     assert REQUIRED_METRICS <= out.metrics.keys(), REQUIRED_METRICS - out.metrics.keys()
+    clip = CLIP_METRICS & out.metrics.keys()
+    assert not clip or clip == CLIP_METRICS, f"clip_ratio/* is all or nothing; missing {CLIP_METRICS - clip}"
     for key, value in out.metrics.items():
         assert value.dim() == 0 and not value.requires_grad, key
     assert out.normalizer in ("token", "sequence", "constant")

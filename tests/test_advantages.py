@@ -1,12 +1,68 @@
-"""grpo/advantages.py and the drop rule: each estimator against its textbook definition, computed independently."""
+"""grpo/advantages.py and the drop rule: invariants over every registered estimator, each estimator against its
+textbook definition computed independently, the batch transform hook, and the one-file plug-in path.
+
+A fork's estimator gets the invariants too: `GRPO_PLUGIN_MODULES=my_pkg.my_estimators pytest tests/test_advantages.py`.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from grpo.advantages import ESTIMATORS, estimate_advantages, overlong_penalty
+from grpo.advantages import (ESTIMATORS, apply_batch_transforms, batch_transforms, check_advantage_config,
+                             estimate_advantages, estimator_options, overlong_penalty, registered_batch_transforms,
+                             registered_estimators)
+from grpo.samples import TrainingSample
 from grpo.scoring import is_kept
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_ESTIMATORS = sorted(registered_estimators())
+GROUPS = [np.array([1.0, 0.0, 0.5, 0.25, 0.0, 1.0]), np.array([0.0, 0.0, 0.0, 1.0]), np.array([3.0, -1.0, 2.0])]
+
+
+@pytest.mark.parametrize("name", ALL_ESTIMATORS)
+def test_equal_rewards_give_zero_advantages(name):
+    for value in (0.0, 1.0, -2.5):
+        for size in (1, 2, 5):
+            np.testing.assert_allclose(estimate_advantages(name, np.full(size, value)), 0.0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ALL_ESTIMATORS)
+def test_estimators_are_permutation_equivariant(name):
+    rng = np.random.default_rng(0)
+    for rewards in GROUPS:
+        base = estimate_advantages(name, rewards)
+        for _ in range(5):
+            perm = rng.permutation(len(rewards))
+            np.testing.assert_allclose(estimate_advantages(name, rewards[perm]), base[perm], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ALL_ESTIMATORS)
+def test_unscored_rollouts_get_zero_and_leave_the_statistics(name):
+    for rewards in GROUPS:
+        with_none = np.insert(rewards, [1, len(rewards)], np.nan)  # None rewards arrive as NaN
+        got = estimate_advantages(name, with_none)
+        scored = ~np.isnan(with_none)
+        assert (got[~scored] == 0).all() and np.isfinite(got).all()
+        np.testing.assert_allclose(got[scored], estimate_advantages(name, rewards), rtol=1e-12)
+    np.testing.assert_array_equal(estimate_advantages(name, np.array([np.nan, np.nan])), [0.0, 0.0])
+
+
+@pytest.mark.parametrize("name", ALL_ESTIMATORS)
+def test_a_higher_reward_never_gets_a_lower_advantage(name):
+    for rewards in GROUPS:
+        got = estimate_advantages(name, rewards)
+        order = np.argsort(rewards, kind="stable")
+        assert (np.diff(got[order]) >= -1e-12).all(), (rewards, got)
+        assert got[np.argmax(rewards)] >= 0 >= got[np.argmin(rewards)]
 
 REWARDS = np.array([1.0, 0.0, 0.5, np.nan, 0.25])  # one unscorable rollout
 
@@ -16,7 +72,8 @@ def _scored():
 
 
 def test_registry_has_the_families():
-    assert {"group_std", "no_std", "rloo"} <= set(ESTIMATORS)
+    assert {"group_std", "no_std", "rloo", "pass_at_k"} <= set(ESTIMATORS)
+    assert "batch_std" in registered_batch_transforms()
 
 
 def test_group_std_is_the_standardised_reward_with_population_std():
@@ -51,6 +108,114 @@ def test_overlong_penalty_is_dapo_soft_punishment():
 def test_unknown_estimator_names_the_choices():
     with pytest.raises(ValueError, match="group_std"):
         estimate_advantages("ppo", REWARDS)
+
+
+def _best_of_k_reference(rewards, k):
+    """pass@k advantages by brute force: every k-subset's best reward, standardised over subsets, averaged over the
+    subsets holding each rollout."""
+    subsets = list(itertools.combinations(range(len(rewards)), k))
+    best = np.array([max(rewards[i] for i in s) for s in subsets])
+    if best.std() == 0:  # every subset has the same best reward: no signal
+        return np.zeros(len(rewards))
+    z = (best - best.mean()) / best.std()
+    return np.array([np.mean([z[j] for j, s in enumerate(subsets) if i in s]) for i in range(len(rewards))])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_pass_at_k_is_the_standardised_best_of_k_over_subsets(k):
+    from grpo.pass_at_k import PassAtKOptions
+
+    for rewards in (np.array([1.0, 0.0, 0.0, 1.0, 0.0, 0.0]), np.array([0.3, 0.9, 0.1, 0.5, 0.9])):
+        np.testing.assert_allclose(estimate_advantages(PassAtKOptions(k=k), rewards),
+                                   _best_of_k_reference(rewards, k), rtol=1e-9)
+
+
+def test_pass_at_k_binary_closed_form_of_the_paper():
+    # arXiv 2508.10751: N = 8, 2 correct, k = 4: R = 1 - C(6,4)/C(8,4) = 55/70; sigma = sqrt(R (1 - R));
+    # A_pos = (1 - R) / sigma; A_neg = (1 - R - C(5,3)/C(7,3)) / sigma
+    from grpo.pass_at_k import PassAtKOptions
+
+    r = 1 - 15 / 70
+    sigma = np.sqrt(r * (1 - r))
+    got = estimate_advantages(PassAtKOptions(k=4), np.array([1.0, 0, 0, 1, 0, 0, 0, 0]))
+    np.testing.assert_allclose(got[[0, 3]], (1 - r) / sigma)
+    np.testing.assert_allclose(got[[1, 2, 4, 5, 6, 7]], (1 - r - 10 / 35) / sigma)
+    np.testing.assert_allclose(estimate_advantages(PassAtKOptions(k=1), GROUPS[0]),
+                               estimate_advantages("group_std", GROUPS[0]), rtol=1e-6)
+
+
+def test_options_are_checked_at_start():
+    from grpo.config import AsyncGRPOConfig
+    from grpo.pass_at_k import PassAtKOptions
+
+    with pytest.raises(ValueError, match="num-generations"):
+        check_advantage_config(AsyncGRPOConfig(num_generations=4, advantage=PassAtKOptions(k=5)))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'rlo'.*rloo"):
+        AsyncGRPOConfig(advantage="rlo")  # a Python typo fails at construction
+    with pytest.raises(ValueError, match="batch_std"):
+        AsyncGRPOConfig(advantage_batch_transforms=("batch_sdt",))
+    assert estimator_options(AsyncGRPOConfig(advantage="pass_at_k").advantage) == PassAtKOptions()
+
+
+def _sample(group_id, rollout_id, advantage):
+    return TrainingSample(input_ids=[1, 2], completion_mask=[0, 1], sampler_logprobs=[0.0, -1.0],
+                          advantage=advantage, group_id=group_id, model_version=1, rollout_id=rollout_id, reward=0.0)
+
+
+def test_batch_std_divides_by_the_std_over_the_steps_rollouts():
+    # rollouts: (0,a) 2.0 with two samples (multi-turn), (0,b) -2.0, (1,c) 1.0, (1,d) -1.0; a padding sample
+    samples = [_sample(0, "a", 2.0), _sample(0, "a", 2.0), _sample(0, "b", -2.0), _sample(1, "c", 1.0),
+               _sample(1, "d", -1.0), _sample(-1, "pad", 0.0)]
+    seen = apply_batch_transforms(batch_transforms(("batch_std",)), samples, step=1)
+    assert seen == 4
+    std = np.array([2.0, -2.0, 1.0, -1.0]).std()  # once per rollout, not per sample
+    np.testing.assert_allclose([s.advantage for s in samples], [2 / std, 2 / std, -2 / std, 1 / std, -1 / std, 0.0],
+                               rtol=1e-6)
+
+
+def test_a_bad_batch_transform_is_named():
+    with pytest.raises(ValueError, match="must return"):
+        apply_batch_transforms([lambda batch: batch.advantages[:1]], [_sample(0, "a", 1.0), _sample(0, "b", 0.0)], 1)
+
+
+PLUGIN = textwrap.dedent('''
+    """A fork's estimator and batch transform, one file, no core edit."""
+    from dataclasses import dataclass
+    from grpo.advantages import register_batch_transform, register_estimator
+
+    @dataclass(frozen=True)
+    class CappedOptions:
+        cap: float = 1.0
+        """Largest advantage magnitude."""
+
+    @register_estimator("fork_capped", CappedOptions())
+    def fork_capped(rewards, opts):
+        """Centred rewards clipped to +-cap."""
+        return (rewards - rewards.mean()).clip(-opts.cap, opts.cap)
+
+    @register_batch_transform("fork_halve")
+    class Halve:
+        """Halve every advantage (a class: one instance per run)."""
+        def __call__(self, batch):
+            return batch.advantages / 2
+''')
+
+
+@pytest.mark.parametrize("env_var", ["GRPO_PLUGIN_MODULES", "GRPO_LOSS_MODULES"])
+def test_a_one_file_plugin_reaches_the_cli_and_the_invariants(tmp_path, env_var):
+    (tmp_path / "fork_advantages.py").write_text(PLUGIN)
+    env = os.environ | {env_var: "fork_advantages", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    help_text = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], env=env, capture_output=True,
+                               text=True, timeout=120).stdout
+    assert "advantage:fork-capped" in help_text and "Centred rewards clipped" in help_text
+    assert "fork_halve: Halve" in help_text
+    sub = subprocess.run([sys.executable, str(REPO / "train.py"), "advantage:fork-capped", "--help"], env=env,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "--advantage.cap" in sub and "Largest advantage magnitude" in sub
+    # the invariant tests run over it: the same test file, with the plug-in named
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                          "-k", "fork_capped"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout[-2000:]
 
 
 @pytest.mark.parametrize("rewards,default,keep_all", [

@@ -95,11 +95,14 @@ def _names() -> list[str]:
 @pytest.mark.parametrize("name", _names())
 def test_loss_trace_is_unchanged(name, tiny_qwen3):
     committed = json.loads(TRACES.read_text())
-    assert name in committed, f"no committed trace for {name!r}: run `python tests/test_loss_trace.py`"
+    regenerate = (f"regenerate it with `PYTHONPATH=. python tests/test_loss_trace.py {name}` (with the plug-in module "
+                  f"in $GRPO_PLUGIN_MODULES for a loss outside grpo/) and commit tests/data/loss_traces.json")
+    assert name in committed, f"no committed trace for {name!r}: {regenerate}"
     got = run_trace(name, tiny_qwen3)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(got[key], committed[name][key], rtol=1e-4, atol=1e-6,
-                                   err_msg=f"{name}: {key} moved from the committed trace")
+                                   err_msg=f"{name}: {key} moved from the committed trace; if the change is intended, "
+                                           f"{regenerate}, and say why in the commit")
     assert any(abs(v) > 0 for v in got["grad_norm"]), "the trace must exercise the gradient"
 
 

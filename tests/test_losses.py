@@ -1,7 +1,8 @@
 """Losses: the invariants of tests/loss_checks.py on every registered loss, a hand-computed case per loss, the
 score-centering estimator against exact expectations, the normaliser, the registry and the CLI.
 
-Your own loss by import path gets the same invariants: `GRPO_LOSS_MODULES=my_pkg.my_losses pytest tests/test_losses.py`.
+Your own loss by import path gets the same invariants and the kit:
+`GRPO_PLUGIN_MODULES=my_pkg.my_losses pytest tests/test_losses.py`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ import math
 
 import pytest
 import torch
+import loss_hand_cases  # noqa: F401 (registers the built-in losses' hand cases)
+from loss_hand_cases import ADVANTAGES, LOGP, RATIOS
 from loss_checks import CHECKS, V, check_loss, make_inputs, structured_case
 
+from grpo.loss_kit import (HAND_CASES, coverage_problems, hand_case_for, matches, run_case,  # noqa: F401
+                           swap_problems)
 from grpo.losses import (LOSS_MODULES_ENV, LOSSES, LossInputs, LossOutput, get_loss, normalized_loss,
                          register_loss, registered_losses, sampler_needs)
 from grpo.score_centering import ScoreCenteringOptions, centering_residuals
@@ -31,68 +36,48 @@ def test_families_are_registered():
     want = {"score_centering", "clipped_surrogate", "grpo", "dapo", "dr_grpo", "gspo", "off_policy_masked", "gmpo",
             "tis", "mis", "sequence_tis", "sequence_mis", "cispo"}
     assert want <= set(ALL_LOSSES)
-    assert set(HAND_CASES) >= want, "every family needs a hand-computed case"
 
 
-# ---- one hand-computed case per loss ------------------------------------------------------------------------------
-# Two sequences, sampler log q = -1 everywhere, r = p / q per token:
-#   sequence 0 (A = +1): r = 1.5, 0.9        sequence 1 (A = -2): r = 0.6, 1.1, 6.0 (6.0 is outside the [0.5, 5] band)
-# Counts: 5 tokens, 2 sequences, max_completion_length 4; one rank, no accumulation. `grad` is d loss / d log p.
-
-RATIOS = (1.5, 0.9, 0.6, 1.1, 6.0)
-ADVANTAGES = (1.0, 1.0, -2.0, -2.0, -2.0)
-LOGP = tuple(-1.0 + math.log(r) for r in RATIOS)
+# ---- the test kit (grpo/loss_kit.py): one hand-computed off-policy case per registered loss ---------------------
 
 
-def _is_case(weights, normaliser=5.0):
-    """Importance-weighted REINFORCE by hand: loss = sum(-w A log p) / D, grad = -w A / D."""
-    value = sum(-w * a * lp for w, a, lp in zip(weights, ADVANTAGES, LOGP)) / normaliser
-    return value, [-w * a / normaliser for w, a in zip(weights, ADVANTAGES)]
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_every_loss_ships_a_hand_computed_case(name):
+    try:
+        hand_case_for(name)
+    except LookupError as exc:
+        pytest.fail(str(exc))
 
 
-_S0, _S1 = math.sqrt(1.5 * 0.9), math.sqrt(0.6 * 1.1)  # GSPO sequence ratios (token 4 masked by the band)
-_G0 = math.exp((0.4 + math.log(0.9)) / 2)  # GMPO: log 1.5 = 0.405 clipped to 0.4 (A > 0)
-_G1 = math.exp((-0.4 + math.log(1.1)) / 2)  # log 0.6 = -0.51 clipped to -0.4 (A < 0), token 4 masked
-HAND_CASES = {
-    # clipped, eps 0.2: token terms -1.2 (clipped), -0.9, +1.6 (clipped), +2.2, 0 (masked)
-    "clipped_surrogate": ({}, (-1.2 - 0.9 + 1.6 + 2.2) / 5, [0, -0.9 / 5, 0, 2.2 / 5, 0]),
-    "grpo": ({}, ((-1.2 - 0.9) / 2 + (1.6 + 2.2) / 3) / 2, [0, -0.9 / 4, 0, 2.2 / 6, 0]),
-    "dapo": ({}, (-1.28 - 0.9 + 1.6 + 2.2) / 5, [0, -0.9 / 5, 0, 2.2 / 5, 0]),  # clip-higher: 1.5 -> 1.28
-    "dr_grpo": ({}, (-1.2 - 0.9 + 1.6 + 2.2) / (2 * 4), [0, -0.9 / 8, 0, 2.2 / 8, 0]),
-    # GSPO with eps = 0.2 (its 3e-4 would clip both sequences): s0 = 1.162, s1 = 0.812 inside [0.8, 1.2];
-    # d s / d log p_t = s / 2 per kept token, sequence mean then / 2 sequences.
-    "gspo": ({"epsilon": 0.2, "epsilon_high": 0.2}, (-_S0 + 2 * _S1) / 2, [-_S0 / 4, -_S0 / 4, _S1 / 2, _S1 / 2, 0]),
-    # DeepSeek-V3.2: sequence i is dropped iff A_i < 0 and (1/|o_i|) sum_t log(q/p) > 0.1, over ALL its tokens.
-    # Sequence 1 (A < 0): -(log 0.6 + log 1.1 + log 6.0) / 3 = -0.459 <= 0.1: kept (6.0 leaves by the band only),
-    # so the terms are DAPO's. (Over in-band tokens only it would be 0.208 and drop the sequence; the case that drops
-    # one is test_off_policy_mask_statistic_is_over_all_tokens.)
-    "off_policy_masked": ({}, (-1.28 - 0.9 + 1.6 + 2.2) / 5, [0, -0.9 / 5, 0, 2.2 / 5, 0]),
-    "gmpo": ({}, (-_G0 + 2 * _G1) / 2, [0, -_G0 / 4, 0, _G1 / 2, 0]),
-    "tis": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 2.0))),  # truncated at 2
-    "mis": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 0.0))),  # 6.0 outside [0.5, 2]
-    "sequence_tis": ({}, *_is_case((1.35, 1.35, 2.0, 2.0, 2.0))),  # products 1.35 and 3.96 -> 2
-    "sequence_mis": ({}, *_is_case((1.35, 1.35, 0.0, 0.0, 0.0))),
-    "cispo": ({}, *_is_case((1.28, 0.9, 0.6, 1.1, 1.28))),
-    # K = 0 top logprobs: no centering term, masked IS with w(r) = r inside [0.5, 5]
-    "score_centering": ({}, *_is_case((1.5, 0.9, 0.6, 1.1, 0.0))),
-}
-
-
-@pytest.mark.parametrize("name", sorted(HAND_CASES))
+@pytest.mark.parametrize("name", ALL_LOSSES)
 def test_hand_computed_case(name):
-    overrides, want_loss, want_grad = HAND_CASES[name]
-    fn, options = get_loss(name)
-    options = dataclasses.replace(options, **overrides)
-    sampler = torch.full((5,), -1.0, dtype=torch.float64)
-    policy = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
-    no_top = torch.zeros(5, 0, dtype=torch.float64)
-    inputs = LossInputs(policy, sampler, torch.tensor(ADVANTAGES, dtype=torch.float64),
-                        torch.tensor([0, 0, 1, 1, 1]), max_completion_length=4,
-                        policy_top_logprobs=no_top, sampler_top_logprobs=no_top)
-    loss = normalized_loss(fn(inputs, options), inputs, 1, 1)
-    (grad,) = torch.autograd.grad(loss, (policy,))
-    assert loss.item() == pytest.approx(want_loss, rel=1e-9, abs=1e-12)
-    torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    case = hand_case_for(name)
+    diffs = matches(case, run_case(name, case))
+    assert not diffs, f"{name} differs from its hand-computed case: {diffs}"
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_hand_case_is_off_policy_and_reaches_the_bands(name):
+    assert not coverage_problems(name, hand_case_for(name))
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_hand_case_tells_asymmetric_options_apart(name):
+    assert not swap_problems(name, hand_case_for(name))
+
+
+def test_the_kit_names_the_fix():
+    with pytest.raises(LookupError, match="register_hand_case"):
+        hand_case_for("no_such_loss")
+    grpo = HAND_CASES["grpo"]
+    symmetric = dataclasses.replace(grpo, overrides={})  # grpo's defaults: epsilon = epsilon_high = 0.2
+    assert any("epsilon = epsilon_high" in p for p in swap_problems("grpo", symmetric))
+    on_policy = dataclasses.replace(grpo, ratios=(1.0, 0.9, 0.6, 1.1, 1.2))
+    problems = coverage_problems("grpo", on_policy)
+    assert any("ratio 1" in p for p in problems) and any("inside and outside" in p for p in problems)
+    wrong = dataclasses.replace(grpo, loss=grpo.loss + 1e-3)
+    diffs = matches(wrong, run_case("grpo", wrong))
+    assert len(diffs) == 1 and diffs[0].startswith("loss ")
 
 
 def _row(policy, sampler, advantages, sequence_index):
@@ -379,18 +364,56 @@ def test_cli_lists_every_loss_and_parses_its_options(capsys):
     help_text = capsys.readouterr().out
     for name in ALL_LOSSES:
         assert f"loss:{name.replace('_', '-')}" in help_text, name
-    config = tyro.cli(AsyncGRPOConfig, args=["--advantage-estimator", "rloo", "loss:dapo", "--loss.epsilon-high",
-                                             "0.3"])
+    config = tyro.cli(AsyncGRPOConfig, args=["loss:dapo", "--loss.epsilon-high", "0.3", "advantage:rloo"])
     assert config.loss == dataclasses.replace(LOSSES["dapo"], epsilon_high=0.3)
-    assert config.advantage_estimator == "rloo" and config.num_sampler_logprobs == 0
+    assert type(config.advantage).__name__ == "RlooOptions" and config.num_sampler_logprobs == 0
     assert AsyncGRPOConfig().num_sampler_logprobs == SC.num_sampler_logprobs == 8  # declared by the default loss
     assert sampler_needs(LOSSES["gspo"]).top_logprobs == 0
 
 
 def test_import_path_hook_runs_the_same_checks(monkeypatch):
-    """The documented hook: a module named in $GRPO_LOSS_MODULES registers its loss, which then gets every check."""
+    """The documented hook: a module named in $GRPO_PLUGIN_MODULES registers its loss, which then gets every check."""
     monkeypatch.setenv(LOSS_MODULES_ENV, "example_custom_loss")
     assert "example_reinforce" in registered_losses()
     check_loss("example_reinforce")
+    case = hand_case_for("example_reinforce")  # shipped in the loss's own module
+    assert not matches(case, run_case("example_reinforce", case)) and not coverage_problems("example_reinforce", case)
     fn, options = get_loss("example_custom_loss:ExampleOptions")
     assert fn.__name__ == "example_reinforce" and options.scale == 1.0
+
+
+FORK_LOSS = '''
+"""A fork's loss without a hand-computed case."""
+from dataclasses import dataclass
+from grpo.losses import LossOutput, register_loss, sampling_metrics
+
+@dataclass(frozen=True)
+class CaselessOptions:
+    scale: float = 1.0
+
+@register_loss("caseless_reinforce", CaselessOptions())
+def caseless_reinforce(inputs, opts):
+    """REINFORCE without a case."""
+    kept = inputs.sampler_logprobs > -9999.0
+    raw = (inputs.policy_logprobs.detach() - inputs.sampler_logprobs).exp()
+    return LossOutput(-opts.scale * inputs.advantages * inputs.policy_logprobs, "token", kept,
+                      {k: v.detach() for k, v in sampling_metrics(inputs, raw, kept).items()})
+'''
+
+
+def test_a_plugin_loss_without_a_hand_case_fails_with_how_to_add_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "fork_caseless.py").write_text(FORK_LOSS)
+    repo = Path(__file__).resolve().parents[1]
+    env = os.environ | {"GRPO_PLUGIN_MODULES": "fork_caseless",
+                        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "caseless_reinforce"], env=env, capture_output=True, text=True, timeout=300, cwd=repo)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "test_every_loss_ships_a_hand_computed_case[caseless_reinforce]" in run.stdout
+    assert "register_hand_case('caseless_reinforce'" in run.stdout
+    assert "passed" in run.stdout  # its invariants ran (and pass): only the missing case fails

@@ -217,7 +217,8 @@ def test_kill_and_resume_trains_each_prompt_once(tiny_qwen3, tmp_path):
 def test_torchrun_two_cpu_ranks(train_server, tmp_path):
     out = tmp_path / "run"
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd = torchrun + _train_cmd(train_server.base_url, out, "--max-steps", "3", "--save-strategy", "no")[1:]
+    cmd = torchrun + _train_cmd(train_server.base_url, out, "--max-steps", "3", "--save-strategy", "no",
+                                "--advantage-batch-transforms", "batch_std")[1:]  # the hook on every rank
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = _metrics(out)
@@ -357,3 +358,33 @@ def test_config_cls_is_taken_out_of_argv():
     assert cls is AsyncGRPOConfig and rest == ["--max-steps", "3", "--seed", "1"]
     with pytest.raises(TypeError, match="not a subclass"):
         config_class(["--config-cls=grpo.queue:RolloutWorker"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_research_workflow_end_to_end(train_server, tmp_path):
+    """One short run with every research-workflow option: a plug-in estimator with an option, the batch transform,
+    held-out evaluation, wandb (offline) and trackio trackers and the completions table."""
+    out = tmp_path / "run"
+    held_out = tmp_path / "held_out.jsonl"
+    from grpo.data import builtin_dataset
+
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in builtin_dataset("letters")[-5:]))
+    env = os.environ | {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "trackio")}
+    cmd = _train_cmd(train_server.base_url, out, "--max-steps", "4", "--save-strategy", "no", "--eval-dataset",
+                     str(held_out), "--eval-max-prompts", "3", "--eval-steps", "2", "--eval-num-generations", "2",
+                     "--report-to", "tensorboard", "wandb", "trackio", "--log-completions",
+                     "--num-completions-to-print", "2", "--advantage-batch-transforms", "batch_std",
+                     "advantage:pass-at-k", "--advantage.k", "2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = _metrics(out)
+    evals = [r for r in rows if r.get("eval/model_version") is not None]
+    # evaluations at the weights after steps 2 (version 3) and 4 (version 5), the final one waited for
+    assert {r["eval/model_version"] for r in evals} >= {5.0} and rows[-1].get("eval/model_version") == 5.0
+    assert all(r["eval/num_prompts"] == 3 and 0 <= r["eval/mean@k"] <= r["eval/pass@k"] <= 1 for r in evals)
+    assert "completions at step 1" in proc.stdout and "staleness" in proc.stdout
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert (tmp_path / "trackio" / "huggingface.db").exists()
+    config = json.loads((out / "repro" / "config.json").read_text())
+    assert config["advantage"] == {"k": 2} and config["advantage_batch_transforms"] == ["batch_std"]
