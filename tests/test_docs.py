@@ -182,8 +182,8 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 # ---- the metrics glossary ---------------------------------------------------------------------------------------
 
-METRIC = re.compile(r"""f?["']((?:rewards|completions|sampling|clip_ratio|rollout|tools|env|sample|batch|perf|train)"""
-                    r"""/[\w{}./]*[\w}]|reward|reward_kept|reward_dropped|reward_group_std|frac_reward_zero_std|loss|"""
+METRIC = re.compile(r"""f?["']((?:rewards|completions|sampling|clip_ratio|rollout|tools|env|sample|batch|perf|train|eval)"""
+                    r"""/[\w{}./@]*[\w}]|reward|reward_kept|reward_dropped|reward_group_std|frac_reward_zero_std|loss|"""
                     r"""entropy|grad_norm|learning_rate|aux_loss|num_tokens)["']""")
 
 
