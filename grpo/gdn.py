@@ -39,6 +39,7 @@ a row), and calls the original forward otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -640,6 +641,62 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
         core_attn_out = tree_chunk_gated_delta_rule(chunk_gated_delta_rule, query, key, value, g, beta, plan)
     core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core_attn_out.reshape(1, n_tokens, -1))  # [1, N, hidden]
+
+
+TRANSFORMERS_GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                              "causal_conv1d_update")
+"""Module-level functions of transformers' GDN modelling files that it binds to FLA / causal-conv1d when those import."""
+
+
+@contextlib.contextmanager
+def transformers_torch_reference(model):
+    """Inside: `model`'s unpacked GDN layers (transformers' own forward) run transformers' torch functions, whatever
+    FLA / causal-conv1d binding it made at import (the function under each `TRANSFORMERS_GDN_FUNCTIONS` name of the
+    layers' modelling modules; restored on exit). For per-sample reference forwards that must not reach FLA (its
+    kernels autotune per length, and its gated backward is refused on some Triton/GPU pairs)."""
+    import inspect
+    import sys
+
+    saved = []
+    for module in {sys.modules[type(m).__module__] for m in model.modules() if is_gdn_layer(m)}:
+        for name in TRANSFORMERS_GDN_FUNCTIONS:
+            bound = getattr(module, name, None)
+            torch_fn = _torch_function(bound) if bound is not None else None
+            if torch_fn is not None:
+                saved.append((module, name, bound))
+                setattr(module, name, _accepting(torch_fn))
+    try:
+        yield
+    finally:
+        for module, name, bound in saved:
+            setattr(module, name, bound)
+
+
+def _torch_function(bound):
+    """The torch function under transformers' kernel binding of it: a function wrapped with functools.wraps
+    (`__wrapped__`), possibly inside the `kernels` library's function module (its `forward` closes over it)."""
+    import inspect
+
+    candidates = [bound]
+    forward = getattr(type(bound), "forward", None) if isinstance(bound, torch.nn.Module) else None
+    candidates += [cell.cell_contents for cell in getattr(forward, "__closure__", None) or ()]
+    for candidate in candidates:
+        if callable(candidate) and hasattr(candidate, "__wrapped__"):
+            return inspect.unwrap(candidate)
+    return None
+
+
+def _accepting(fn):
+    """`fn` called with only the keyword arguments it takes (transformers' wrappers filter the same way)."""
+    import inspect
+
+    params = set(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
 
 
 def is_gdn_layer(module) -> bool:

@@ -289,11 +289,12 @@ def print_copy_sites(profiler, sort: str, top: int = 12) -> None:
 
 def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int = 0) -> dict:
     """The fast path's tree-packed log-probs (train.build_policy, no grad) against per-sample forwards of an fp32
-    eager copy of the same checkpoint (4 rollouts sharing a 300-token prompt, 60-token completions), next to the
+    eager copy of the same checkpoint (transformers' torch GDN path even where fla is installed) (4 rollouts sharing a 300-token prompt, 60-token completions), next to the
     error an eager bf16 per-sample forward makes against the same fp32 reference: bf16 tolerance, measured."""
     import torch
 
     from grpo.config import AsyncGRPOConfig
+    from grpo.gdn import transformers_torch_reference
     from grpo.model import load_policy
     from grpo.trie import pack_samples
     from train import build_policy
@@ -315,7 +316,7 @@ def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int =
             refs.append(torch.log_softmax(logits[pos - 1], -1).gather(-1, ids[0, pos][:, None])[:, 0])
         return torch.cat(refs)
 
-    with torch.no_grad():
+    with torch.no_grad(), transformers_torch_reference(ref):  # the reference never reaches an installed FLA
         packed = policy(row).policy_logprobs.float()[torch.argsort(row.sample_id, stable=True)]
         fp32 = per_sample(ref)
         bf16 = per_sample(ref.to(torch.bfloat16)) if info.device.type == "cuda" else fp32

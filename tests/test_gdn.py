@@ -261,6 +261,19 @@ def test_patched_model_without_row_is_unchanged(qwen35_pair):
                                    atol=0, rtol=0)
 
 
+def unpacked_logprobs(model) -> list[float]:
+    """Log-probs of the shared-prompt samples' completion tokens, one unpacked (transformers) forward per sample."""
+    out = []
+    with torch.no_grad():
+        for s in shared_prompt(random.Random(7)):
+            sample = _sample(s)
+            ids = torch.tensor(sample.input_ids)[None]
+            logprobs = model(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
+            out += [float(logprobs[i - 1, t]) for i, (t, m) in enumerate(zip(sample.input_ids, sample.completion_mask))
+                    if m and i > 0]
+    return out
+
+
 def packed_logprobs_and_grads(model_path, kernel: str) -> dict:
     """Packed forward + backward of the tiny Qwen3.5 (shared-prompt trie) with `patch_gdn_layers(model, kernel)`:
     the row's log-probs and each language-model parameter's gradient norm (JSON-able; also run in a subprocess)."""
@@ -512,7 +525,18 @@ except StubFLACalled:
 else:
     raise AssertionError("transformers did not bind its GDN kernel to the importable fla: the test proves nothing")
 import test_gdn
-print("RESULT " + json.dumps({k: test_gdn.packed_logprobs_and_grads(model_path, k) for k in ("torch", "auto")}))
+from grpo.gdn import transformers_torch_reference
+model = test_gdn.qwen35_model(model_path)
+try:
+    test_gdn.unpacked_logprobs(model)
+except StubFLACalled:
+    pass
+else:
+    raise AssertionError("the unpacked forward did not reach the importable fla: the reference check proves nothing")
+with transformers_torch_reference(model):
+    reference = test_gdn.unpacked_logprobs(model)
+result = {k: test_gdn.packed_logprobs_and_grads(model_path, k) for k in ("torch", "auto")}
+print("RESULT " + json.dumps({**result, "reference": reference}))
 """
 
 
@@ -534,6 +558,10 @@ def test_torch_path_never_reaches_importable_fla(tiny_models):
     assert "forward torch chunked; backward torch chunked" in proc.stderr, proc.stderr[-4000:]
     assert "fla" not in sys.modules  # nothing leaked here
     stubbed = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    # transformers_torch_reference: the unpacked forward runs transformers' torch path although fla imports
+    torch.testing.assert_close(torch.tensor(stubbed.pop("reference")),
+                               torch.tensor(unpacked_logprobs(qwen35_model(tiny_models["qwen3_5"]))),
+                               atol=1e-6, rtol=1e-6)
     here = packed_logprobs_and_grads(tiny_models["qwen3_5"], "torch")
     for kernel, result in stubbed.items():
         torch.testing.assert_close(torch.tensor(result["logprobs"]), torch.tensor(here["logprobs"]),
