@@ -200,8 +200,11 @@ def bench_row(row_kind: str, row, args, device, dims, n_layers: int) -> list[dic
 _REGIONS: dict = {}
 
 
-def compiled_regions(gdn, on: bool) -> None:
-    """Swap grpo.gdn's state-free regions between eager and torch.compile'd (compiled once, kept for reuse)."""
+def compiled_regions(_, on: bool) -> None:
+    """Swap the torch kernel's state-free regions (grpo/gdn_kernel.py) between eager and torch.compile'd (compiled
+    once, kept for reuse)."""
+    import grpo.gdn_kernel as gdn
+
     if not _REGIONS:
         _REGIONS["eager"] = (gdn._chunk_prepare, gdn._chunk_output)
     if on and "compiled" not in _REGIONS:

@@ -608,10 +608,10 @@ def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models):
     """compile_layer_regions on a GDN model swaps in torch.compile'd state-free regions of the torch kernel (their
     values and gradients against the eager kernel: scripts/bench_gdn.py --compile on a GPU; compiling them here
     takes minutes of CPU), and only on a GDN model."""
-    import grpo.gdn as gdn
-    from grpo.model import compile_layer_regions, load_policy
-
     import sys
+
+    import grpo.gdn_kernel as gdn
+    from grpo.model import compile_layer_regions, load_policy
 
     eager = gdn._chunk_prepare, gdn._chunk_output
     models = {kind: load_policy(str(tiny_models[kind]), "float32") for kind in ("qwen3", "qwen3_5")}
