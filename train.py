@@ -192,6 +192,23 @@ def check_served_model(config: AsyncGRPOConfig, url: str, served: str, server_in
              config.model)
 
 
+def sync_config(config: AsyncGRPOConfig):
+    from grpo.weight_sync import WeightSyncConfig
+
+    return WeightSyncConfig(mode=config.weight_transfer, timeout=config.vllm_server_timeout,
+                            phase_timeout=config.weight_sync_timeout, progress_every=config.progress_interval_s,
+                            rejoin_interval_s=config.server_rejoin_interval_s, rejoin_wait_s=config.server_rejoin_wait_s)
+
+
+def rejoin_probe(config: AsyncGRPOConfig, facts: dict):
+    """url -> None when a dropped server may rejoin (the start-up checks of `server_facts`), else why not."""
+    import functools
+
+    from grpo.rejoin import probe_server
+
+    return functools.partial(probe_server, expected=facts, check_model=functools.partial(check_served_model, config))
+
+
 def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=None):
     """(model, policy, optimizer, scheduler, autocast): the training side of the run, built the same way for
     train.py and scripts/bench_step.py. `model` is the PEFT model when `peft_config` (or `--lora-r`) is given.
@@ -387,7 +404,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.queue import RolloutWorker, staleness_allowance
     from grpo.repro import write_repro_bundle
     from grpo.step_plan import plan_step
-    from grpo.weight_sync import WeightSync, WeightSyncConfig
+    from grpo.weight_sync import WeightSync
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -413,9 +430,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     adapter = adapter_versions_for(config, choose_sync_mode(config.lora_sync, model, facts["lora"],
                                                             config.max_staleness))
     # auto is decided by WeightSync.init from the servers (ipc / nccl / cpu_file, grpo/ipc_transfer.py) and logged
-    sync = WeightSync(config.vllm_server_urls,
-                      WeightSyncConfig(mode=config.weight_transfer, timeout=config.vllm_server_timeout),
-                      adapter=adapter)
+    sync = WeightSync(config.vllm_server_urls, sync_config(config), adapter=adapter)
+    sync.rejoiner.probe = rejoin_probe(config, facts)  # dropped servers come back (docs/reliability.md)
     sync.init(model)
     version = state["model_version"] + 1
     sync.sync(model, version)  # cold sync: the first rollouts already come from this policy
@@ -433,6 +449,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                                                                    * config.gradient_accumulation_steps))
         worker.start()
         sync.alive_flags = worker.servers_alive  # a server either side finds dead leaves both (several servers)
+        worker.on_idle = lambda: sync.rejoin_alone(model, worker.model_version)  # no server alive: bring one back
         if config.max_steps <= 0:
             stop_groups = config.epoch_prompts(len(dataset)) - state["prompt_index"]
     batcher = TokenBudgetBatcher(budget, info.world_size)

@@ -200,6 +200,8 @@ class RolloutWorker:
         self._dropped_in_a_row: Counter[str] = Counter()
         self._stale_since_sample = 0
         self.waiting = WaitProgress("samples from the rollout worker", config.progress_interval_s)
+        self.on_idle = None
+        """Called while `get` finds nothing (train.py: bring a dropped server back when none is alive)."""
 
     @property
     def delivered(self):
@@ -305,6 +307,8 @@ class RolloutWorker:
             try:
                 item = self._inbox.get(timeout=wait)
             except queue_lib.Empty:
+                if self.on_idle is not None:
+                    self.on_idle()
                 self.waiting.tick(self._waiting_detail())
                 if deadline is not None and time.monotonic() >= deadline:
                     self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))

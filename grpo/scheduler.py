@@ -218,6 +218,7 @@ class RolloutScheduler:
 
         while True:
             current_server_var.set(server)
+            epoch = server.epoch
             try:
                 result = await self._run_rollout(row, group_id, version)
                 if result.rollout is not None:
@@ -227,7 +228,7 @@ class RolloutScheduler:
             except ServerUnreachableError as exc:
                 if exc.base_url != server.client.base_url:
                     raise
-                self.pool.mark_dead(server, f"{type(exc).__name__}: {exc}")
+                self.pool.mark_dead(server, f"{type(exc).__name__}: {exc}", epoch)
                 self._push("rollout/redispatched_count", 1)
                 cause = exc
             finally:
@@ -242,7 +243,7 @@ class RolloutScheduler:
         first dispatch."""
         tasks, version = [], None
         self.allowance.group_started()
-        home = GroupHome(self.pool.pick())
+        home = GroupHome(await self.pool.pick_alive())
         for _ in range(self.config.num_generations):
             server = await self.pool.slot(home)
             if version is None:
@@ -486,11 +487,13 @@ class RolloutScheduler:
         cfg = self.config
         if self._client_arg is not None:  # one ready client, or a list (one per server)
             clients = self._client_arg if isinstance(self._client_arg, list) else [self._client_arg]
-            return ServerPool([c.base_url for c in clients], clients, cfg.max_concurrent_rollouts, self.servers_alive)
-        urls = list(cfg.vllm_server_urls)
-        clients = [VLLMClient(url, self.model_name, timeout=cfg.vllm_server_timeout,
-                              fail_fast_on_refused=len(urls) > 1) for url in urls]
-        return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.servers_alive)
+            urls = [c.base_url for c in clients]
+        else:
+            urls = list(cfg.vllm_server_urls)
+            clients = [VLLMClient(url, self.model_name, timeout=cfg.vllm_server_timeout,
+                                  fail_fast_on_refused=len(urls) > 1) for url in urls]
+        return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.servers_alive,
+                          rejoin_wait_s=cfg.server_rejoin_wait_s, progress_every=cfg.progress_interval_s)
 
 
 def _env_label(env_name: str | None, factory: Callable) -> str:
