@@ -197,7 +197,8 @@ def sync_config(config: AsyncGRPOConfig):
 
     return WeightSyncConfig(mode=config.weight_transfer, timeout=config.vllm_server_timeout,
                             phase_timeout=config.weight_sync_timeout, progress_every=config.progress_interval_s,
-                            rejoin_interval_s=config.server_rejoin_interval_s, rejoin_wait_s=config.server_rejoin_wait_s)
+                            rejoin_interval_s=config.server_rejoin_interval_s,
+                            rejoin_wait_s=config.server_rejoin_wait_s)
 
 
 def rejoin_probe(config: AsyncGRPOConfig, facts: dict):
@@ -396,7 +397,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import barrier, broadcast_object, hsdp_replicas, init_distributed
     from grpo.flops import device_peak_flops
-    from grpo.ledger import no_step_message, record_prompts
+    from grpo.ledger import no_step_message, record_prompts, resume_skips
     from grpo.lora import adapter_versions_for, choose_sync_mode
     from grpo.losses import loss_function
     from grpo.metrics import MetricsLogger
@@ -443,7 +444,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
-                               skip_positions=state.get("consumed_above", []), lora_name=adapter and adapter.name,
+                               skip_positions=resume_skips(state), carried=state.get("carried", []),
+                               lora_name=adapter and adapter.name,
                                servers_alive=sync.alive_flags, model_name=facts["served_model"],
                                token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
                                                                    * config.gradient_accumulation_steps))
@@ -455,7 +457,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     batcher = TokenBudgetBatcher(budget, info.world_size)
 
     def save(at_step: int) -> int:
-        rollout_state = worker.state_dict() if info.is_main else {}
+        rollout_state = worker.state_dict(batcher.pending()) if info.is_main else {}  # + partial groups' rest
         ckpt.save_checkpoint(config.output_dir, at_step, model, tokenizer, optimizer, scheduler, rollout_state,
                              config.save_total_limit)
         return at_step

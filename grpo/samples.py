@@ -83,6 +83,12 @@ class TrainingSample:
     """time.monotonic() when it entered the trainer queue."""
     group_size: int = 0
     """Training samples the whole group produced (the trainer tells a partially trained group from a full one)."""
+    fork_index: int = 0
+    """Index of this sample among its rollout's samples (multi-turn forks); (rollout_id, fork_index) names it."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.rollout_id}/{self.fork_index}"
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -124,7 +130,8 @@ class ConsumedGroup:
     """Put on the trainer queue for a prompt that yields no samples, so the trainer counts it toward the epoch and
     the resume point. reason: "filtered" (filter_prompt said no), "env_reset_failed" (an environment's reset()
     kept failing after `env_reset_retries` retries), or a scoring drop: "equal_rewards", "unscored" (every reward
-    None/NaN), "no_samples" (no rollout produced a trainable token)."""
+    None/NaN), "no_samples" (no rollout produced a trainable token), "reward_error" (a reward function raised and
+    reward_errors="drop")."""
 
     group_id: int
     reason: str
