@@ -76,6 +76,7 @@ class ServerPool:
         """Shared per-server 0/1 flags (multiprocessing Array) between the trainer and this worker; None alone."""
         self.max_concurrent = max_concurrent
         self.rejoin_wait_s, self.progress_every = rejoin_wait_s, progress_every
+        self._waiting = None  # WaitProgress while no server is alive
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -144,12 +145,15 @@ class ServerPool:
         """Return once a server is alive; with none, wait up to `rejoin_wait_s` for the trainer to bring one back
         (a progress line every `progress_every` s), then raise NoServerLeftError."""
         if self.alive:
+            self._waiting = None
             return
         from grpo.progress import WaitProgress
 
-        progress = WaitProgress("a vLLM server to come back (every server is dead; the trainer probes them every "
-                                "server_rejoin_interval_s)", self.progress_every, log)
-        deadline = time.monotonic() + self.rejoin_wait_s
+        if self._waiting is None:  # one wait (and one progress line) however many rollouts wait
+            self._waiting = WaitProgress("a vLLM server to come back (every server is dead; the trainer probes them "
+                                         "every server_rejoin_interval_s)", self.progress_every, log)
+        progress = self._waiting
+        deadline = progress.since + self.rejoin_wait_s
         while not self.alive:
             if time.monotonic() >= deadline:
                 raise NoServerLeftError(self._none_left_message() + f" (waited {self.rejoin_wait_s:.0f} s, "
