@@ -88,3 +88,70 @@ class Rejoiner:
         log.warning("vLLM server %s failed its rejoin sync (%s); it stays dropped, probed again in %.0f s",
                     self.urls[i], error, self.interval_s)
         self.dropped(i)
+
+
+class RejoinMixin:
+    """`WeightSync`'s side of the rejoin (rank 0): dropped servers admitted into a sync, or cold-synced alone when
+    none is alive. Uses WeightSync's `rejoiner`, `_joining`, `alive_flags`, `_phase`, `_transfer`, `_load_file`."""
+
+    def _admit_rejoiners(self) -> None:
+        """Rank 0, before a sync: dropped servers that pass their probe take part in it."""
+        if self.adapter is None and self.mode != "ipc":
+            self._joining |= set(self.rejoiner.due(self.dropped()))
+
+    def _confirm(self, i: int, version: int) -> None:
+        self._joining.discard(i)
+        self.alive_flags[i] = 1  # the rollout worker sends it groups from now on
+        self.rejoiner.rejoined(i, version)
+
+    def _can_rejoin_alone(self) -> bool:
+        """Rank 0 can cold-sync a server without the other ranks (one rank, or the kept file of cpu_file)."""
+        return (self.config.rejoin_wait_s > 0 and self.rejoiner.probe is not None and self.adapter is None
+                and self.mode != "ipc" and (self.world_size == 1 or self.mode == "cpu_file"))
+
+    def rejoin_alone(self, model, version: int) -> bool:
+        """Rank 0, no server alive (the trainer waits for samples, or a sync lost its last server): probe the
+        dropped servers that are due and cold-sync the first that passes, alone. True when one rejoined."""
+        if self.rank != 0 or self.alive() or not self._can_rejoin_alone():
+            return False
+        if self.world_size > 1 and not self._kept_file:  # no version written yet
+            return False
+        for i in self.rejoiner.due(self.dropped()):
+            self._joining = {i}
+            try:
+                self._phase(i, "pause", version, lambda c=self.controls[i]: c.pause(mode="keep"))
+                if self.world_size > 1:
+                    self._load_file(i, self._kept_file, version)
+                else:
+                    self._transfer(version)
+                if i in self._joining:
+                    self._phase(i, "resume", version, self.controls[i].resume)
+            except Exception as exc:
+                self._joining.discard(i)
+                self.rejoiner.failed(i, exc)
+            if i in self._joining:
+                self._confirm(i, version)
+                self._none_left = None
+                return True
+        return False
+
+    def _wait_for_rejoin(self, model, version: int) -> None:
+        """Rank 0 after a sync that lost its last server: wait up to rejoin_wait_s for one to come back."""
+        from grpo.progress import WaitProgress
+        from grpo.weight_sync import WeightSyncError
+
+        error = self._none_left or WeightSyncError(f"weight sync version {version}: no vLLM server is alive")
+        if not self._can_rejoin_alone():
+            raise error
+        progress = WaitProgress(f"a vLLM server to come back for weight version {version} (every server is "
+                                f"dropped; probed every {self.config.rejoin_interval_s:.0f} s)",
+                                self.config.progress_every, log)
+        deadline = time.monotonic() + self.config.rejoin_wait_s
+        while not self.rejoin_alone(model, version):
+            if time.monotonic() >= deadline:
+                raise WeightSyncError(f"{error}\n  No server came back within {self.config.rejoin_wait_s:.0f} s "
+                                      f"(server_rejoin_wait_s): restart the servers, then resume with "
+                                      f"--resume-from-checkpoint latest") from error.__cause__
+            progress.tick("; ".join(f"{self.urls[i]}: {self.rejoiner.reasons.get(i, 'not probed yet')}"
+                                    for i in self.dropped()))
+            time.sleep(min(1.0, max(self.config.rejoin_interval_s, 0.1)))

@@ -19,9 +19,8 @@ the first rollouts are version 1 [TRL]). The caller publishes `version` after `s
 Several servers (docs/design.md, "Several vLLM servers"): a server that fails its part of a sync (dead, or
 answering errors) is dropped from the set with a warning when another one is left, and the run continues on the
 rest; the last server's failure raises `WeightSyncError` as with one server, unless the run can wait for it to
-come back (`rejoin_wait_s`, below). `alive_flags` (0/1 per server) is
-shared with the rollout worker, which stops sending to a dropped server and marks the ones it finds dead, so the
-next sync skips them. With NCCL a change of the set re-forms the group over the survivors before the transfer;
+come back (`rejoin_wait_s`, below). `alive_flags` (0/1 per server) is shared with the rollout worker, which stops
+sending to a dropped server and marks the ones it finds dead, so the next sync skips them. With NCCL a change of the set re-forms the group over the survivors before the transfer;
 a server that dies during the broadcast itself fails the sync (the collective cannot finish).
 
 A PEFT policy is sent merged (grpo/send_plan.py) so the trainer's own weights are never modified (PEFT's in-place
@@ -53,10 +52,9 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from grpo.rejoin import Rejoiner
-from grpo.sync_deadline import call_phase, wait_phase
-
+from grpo.rejoin import Rejoiner, RejoinMixin
 from grpo.send_plan import SendPlan, build_plan, checkpoint_name, is_adapter_param  # noqa: F401 (public names)
+from grpo.sync_deadline import call_phase, wait_phase
 from grpo.vllm_server import free_port
 
 log = logging.getLogger("grpo.weight_sync")
@@ -162,7 +160,7 @@ def nccl_rank_offsets(world_sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
-class WeightSync:
+class WeightSync(RejoinMixin):
     """Trainer side of the weight sync; create one on every rank (only rank 0 talks to the servers)."""
 
     def __init__(self, base_url: str | Sequence[str], config: WeightSyncConfig = WeightSyncConfig(), adapter=None):
@@ -343,68 +341,6 @@ class WeightSync:
         self.alive_flags[i] = 0
         self.rejoiner.dropped(i)
         log.warning("dropping vLLM server %s from the run (%d left): %s", self.urls[i], len(self.alive()), error)
-
-    # ---- rejoin (grpo/rejoin.py) ---------------------------------------------------------------------------------
-    def _admit_rejoiners(self) -> None:
-        """Rank 0, before a sync: dropped servers that pass their probe take part in it."""
-        if self.adapter is None and self.mode != "ipc":
-            self._joining |= set(self.rejoiner.due(self.dropped()))
-
-    def _confirm(self, i: int, version: int) -> None:
-        self._joining.discard(i)
-        self.alive_flags[i] = 1  # the rollout worker sends it groups from now on
-        self.rejoiner.rejoined(i, version)
-
-    def _can_rejoin_alone(self) -> bool:
-        """Rank 0 can cold-sync a server without the other ranks (one rank, or the kept file of cpu_file)."""
-        return (self.config.rejoin_wait_s > 0 and self.rejoiner.probe is not None and self.adapter is None
-                and self.mode != "ipc" and (self.world_size == 1 or self.mode == "cpu_file"))
-
-    def rejoin_alone(self, model: nn.Module, version: int) -> bool:
-        """Rank 0, no server alive (the trainer waits for samples, or a sync lost its last server): probe the
-        dropped servers that are due and cold-sync the first that passes, alone. True when one rejoined."""
-        if self.rank != 0 or self.alive() or not self._can_rejoin_alone():
-            return False
-        if self.world_size > 1 and not self._kept_file:  # no version written yet
-            return False
-        for i in self.rejoiner.due(self.dropped()):
-            self._joining = {i}
-            try:
-                self._phase(i, "pause", version, lambda c=self.controls[i]: c.pause(mode="keep"))
-                if self.world_size > 1:
-                    self._load_file(i, self._kept_file, version)
-                else:
-                    self._transfer(version)
-                if i in self._joining:
-                    self._phase(i, "resume", version, self.controls[i].resume)
-            except Exception as exc:
-                self._joining.discard(i)
-                self.rejoiner.failed(i, exc)
-            if i in self._joining:
-                self._confirm(i, version)
-                self._none_left = None
-                return True
-        return False
-
-    def _wait_for_rejoin(self, model: nn.Module, version: int) -> None:
-        """Rank 0 after a sync that lost its last server: wait up to rejoin_wait_s for one to come back."""
-        from grpo.progress import WaitProgress
-
-        error = self._none_left or WeightSyncError(f"weight sync version {version}: no vLLM server is alive")
-        if not self._can_rejoin_alone():
-            raise error
-        progress = WaitProgress(f"a vLLM server to come back for weight version {version} (every server is "
-                                f"dropped; probed every {self.config.rejoin_interval_s:.0f} s)",
-                                self.config.progress_every, log)
-        deadline = time.monotonic() + self.config.rejoin_wait_s
-        while not self.rejoin_alone(model, version):
-            if time.monotonic() >= deadline:
-                raise WeightSyncError(f"{error}\n  No server came back within {self.config.rejoin_wait_s:.0f} s "
-                                      f"(server_rejoin_wait_s): restart the servers, then resume with "
-                                      f"--resume-from-checkpoint latest") from error.__cause__
-            progress.tick("; ".join(f"{self.urls[i]}: {self.rejoiner.reasons.get(i, 'not probed yet')}"
-                                    for i in self.dropped()))
-            time.sleep(min(1.0, max(self.config.rejoin_interval_s, 0.1)))
 
     def _transfer(self, version: int) -> None:
         """start -> update -> finish on rank 0, gathers on every rank; on error finish best-effort and raise."""

@@ -1,6 +1,7 @@
 """Servers that come back, and sync phases that never answer, without real servers: the real `ServerPool`,
 scheduler and `WeightSync` against stand-in generation clients and control planes (tests/test_server_pool.py) that
-die, hang or come back on cue. The same faults against real vLLM servers: test_rejoin.py and test_soak.py."""
+die, hang or come back on cue. The same faults against a real vLLM server: test_soak.py (a restart in place, the
+rejoin, and the final model == what the server serves)."""
 
 from __future__ import annotations
 
