@@ -456,8 +456,9 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             stop_groups = config.epoch_prompts(len(dataset)) - state["prompt_index"]
     batcher = TokenBudgetBatcher(budget, info.world_size)
 
-    def save(at_step: int) -> int:
-        rollout_state = worker.state_dict(batcher.pending()) if info.is_main else {}  # + partial groups' rest
+    def save(at_step: int, rollout_state: dict | None = None) -> int:
+        if rollout_state is None:  # + the untrained rest of partial groups (read while the worker runs)
+            rollout_state = worker.state_dict(batcher.pending()) if info.is_main else {}
         ckpt.save_checkpoint(config.output_dir, at_step, model, tokenizer, optimizer, scheduler, rollout_state,
                              config.save_total_limit)
         return at_step
@@ -512,12 +513,13 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             record_prompts(config.output_dir, step, None, state, worker.drain_drops())
         if step == state["step"]:
             raise RuntimeError(no_step_message(worker))
+        final_state = worker.state_dict(batcher.pending()) if info.is_main and step > saved_step else None
     finally:
         if worker is not None:
             worker.stop()
         logger.close()
     if step > saved_step:  # the final model is always saved, also with save_strategy="no"
-        saved_step = save(step)
+        saved_step = save(step, final_state)
     barrier(info)
     sync.close()
     return {"step": step, "model_version": version, "output_dir": config.output_dir}

@@ -104,15 +104,16 @@ def record_prompts(output_dir: str, step: int, samples, resumed: dict, drops) ->
     """Append which prompt positions (dataset_start_index + group_id) this step trained to trained_prompts.jsonl,
     and the groups dropped since the last step, with the reason, to dropped_prompts.jsonl: the audit trail for
     epochs and resume. `run` tells runs apart and `resumed_from` is the checkpoint step a run started from: records
-    of the earlier run after that step were rolled back with the model. Each position is trained in one run only,
-    or recorded as dropped. `samples=None` records drops only."""
+    of the earlier run after that step were rolled back with the model. Each position is trained in one run only
+    (a later run trains only samples carried from the earlier one), or recorded as dropped. `samples` names each
+    trained sample: [position, rollout_id/fork_index, group size, carried]. `samples=None` records drops only."""
     import json
     from pathlib import Path
 
     run = {"step": step, "resumed_from": resumed["step"], "run": resumed["run_id"]}
     if samples is not None:
         positions = sorted({resumed["prompt_index"] + s.group_id for s in samples})
-        keys = [[resumed["prompt_index"] + s.group_id, s.key, s.group_size] for s in samples]
+        keys = [[resumed["prompt_index"] + s.group_id, s.key, s.group_size, s.carried] for s in samples]
         with open(Path(output_dir) / "trained_prompts.jsonl", "a") as f:
             f.write(json.dumps(run | {"prompts": positions, "samples": keys}) + "\n")
     if drops:
@@ -162,4 +163,5 @@ def carry_from_json(record: dict, start_index: int):
     for name, dtype in _ARRAYS.items():
         if fields.get(name) is not None:
             fields[name] = np.asarray(fields[name], dtype=dtype)
-    return TrainingSample(**fields | {"group_id": record["position"] - start_index, "queued_at": time.monotonic()})
+    return TrainingSample(**fields | {"group_id": record["position"] - start_index, "queued_at": time.monotonic(),
+                                      "carried": True})

@@ -459,9 +459,10 @@ class RolloutWorker:
         held += [item for item, _ in self._front if getattr(item, "group_id", None) in partial
                  and not isinstance(item, ConsumedGroup)]
         missing = lambda: sum(size - trained for trained, size in partial.values()) - len(held)  # noqa: E731
-        deadline = time.monotonic() + (wait_s if self.process is not None else 0.0)  # not started: the inbox only
+        running = self.process is not None and self.process.is_alive() and not self.shared["stop"].is_set()
+        deadline = time.monotonic() + (wait_s if running else 0.0)  # not running: what the inbox holds, no wait
         while missing() > 0 and (time.monotonic() < deadline or not self._inbox.empty()):
-            if self.process is not None:
+            if running:
                 self.check_alive()
             try:
                 item = self._inbox.get(timeout=0.5)

@@ -84,13 +84,20 @@ def _effective(path: Path) -> list[dict]:
 
 
 def audit(out_dir: Path, resume_point: int) -> dict:
-    """Positions below `resume_point` (the final low-water mark) trained in exactly one run or dropped."""
+    """Positions below `resume_point` (the final low-water mark) trained in exactly one run or dropped. A prompt
+    may be trained in a later run only through samples carried from the earlier one (the rest of a partly trained
+    group, docs/reliability.md); a sample generated anew for a prompt an earlier run trained is "twice"."""
     trained: dict[int, set[int]] = {}
+    fresh: dict[int, set[int]] = {}  # position -> runs that trained samples they generated themselves
     for record in _effective(out_dir / "trained_prompts.jsonl"):
         for position in record["prompts"]:
             trained.setdefault(position, set()).add(record["run"])
+        named = record.get("samples")
+        for position in (record["prompts"] if named is None else [e[0] for e in named if not e[3:] or not e[3]]):
+            fresh.setdefault(position, set()).add(record["run"])
     dropped = {p for record in _effective(out_dir / "dropped_prompts.jsonl") for p, _ in record["prompts"]}
-    twice = sorted(p for p, runs in trained.items() if len(runs) > 1)
+    twice = sorted(p for p, runs in trained.items()
+                   if len(fresh.get(p, set())) > 1 or (fresh.get(p) and min(runs) < min(fresh[p])))
     lost = sorted(p for p in range(resume_point) if p not in trained and p not in dropped)
     SCORE["twice"] += len(twice)
     SCORE["lost"] += len(lost)
@@ -105,7 +112,7 @@ def audit_samples(out_dir: Path, resume_point: int) -> dict:
     per_position: dict[int, set[str]] = {}
     sizes: dict[int, int] = {}
     for record in _effective(out_dir / "trained_prompts.jsonl"):
-        for position, key, size in record.get("samples", []):
+        for position, key, size, *_ in record.get("samples", []):
             seen[key] = seen.get(key, 0) + 1
             per_position.setdefault(position, set()).add(key)
             sizes[position] = size
