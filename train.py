@@ -192,6 +192,24 @@ def check_served_model(config: AsyncGRPOConfig, url: str, served: str, server_in
              config.model)
 
 
+def sync_config(config: AsyncGRPOConfig):
+    from grpo.weight_sync import WeightSyncConfig
+
+    return WeightSyncConfig(mode=config.weight_transfer, timeout=config.vllm_server_timeout,
+                            phase_timeout=config.weight_sync_timeout, progress_every=config.progress_interval_s,
+                            rejoin_interval_s=config.server_rejoin_interval_s,
+                            rejoin_wait_s=config.server_rejoin_wait_s)
+
+
+def rejoin_probe(config: AsyncGRPOConfig, facts: dict):
+    """url -> None when a dropped server may rejoin (the start-up checks of `server_facts`), else why not."""
+    import functools
+
+    from grpo.rejoin import probe_server
+
+    return functools.partial(probe_server, expected=facts, check_model=functools.partial(check_served_model, config))
+
+
 def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=None):
     """(model, policy, optimizer, scheduler, autocast): the training side of the run, built the same way for
     train.py and scripts/bench_step.py. `model` is the PEFT model when `peft_config` (or `--lora-r`) is given.
@@ -399,7 +417,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.distributed import barrier, broadcast_object, hsdp_replicas, init_distributed
     from grpo.evaluation import eval_due
     from grpo.flops import device_peak_flops
-    from grpo.ledger import no_step_message, record_prompts
+    from grpo.ledger import no_step_message, record_prompts, resume_skips
     from grpo.lora import adapter_versions_for, choose_sync_mode
     from grpo.losses import loss_function
     from grpo.metrics import MetricsLogger
@@ -408,7 +426,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.repro import write_repro_bundle
     from grpo.step_plan import plan_step
     from grpo.trackers import COMPLETION_COLUMNS, build_trackers, check_trackers, completion_rows
-    from grpo.weight_sync import WeightSync, WeightSyncConfig
+    from grpo.weight_sync import WeightSync
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -438,9 +456,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     adapter = adapter_versions_for(config, choose_sync_mode(config.lora_sync, model, facts["lora"],
                                                             config.max_staleness))
     # auto is decided by WeightSync.init from the servers (ipc / nccl / cpu_file, grpo/ipc_transfer.py) and logged
-    sync = WeightSync(config.vllm_server_urls,
-                      WeightSyncConfig(mode=config.weight_transfer, timeout=config.vllm_server_timeout),
-                      adapter=adapter)
+    sync = WeightSync(config.vllm_server_urls, sync_config(config), adapter=adapter)
+    sync.rejoiner.probe = rejoin_probe(config, facts)  # dropped servers come back (docs/reliability.md)
     sync.init(model)
     version = state["model_version"] + 1
     sync.sync(model, version)  # cold sync: the first rollouts already come from this policy
@@ -453,19 +470,22 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         write_repro_bundle(config.output_dir, config, info.world_size)
         worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
                                loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
-                               skip_positions=state.get("consumed_above", []), lora_name=adapter and adapter.name,
+                               skip_positions=resume_skips(state), carried=state.get("carried", []),
+                               lora_name=adapter and adapter.name,
                                servers_alive=sync.alive_flags, model_name=facts["served_model"],
                                eval_dataset=eval_dataset,
                                token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
                                                                    * config.gradient_accumulation_steps))
         worker.start()
         sync.alive_flags = worker.servers_alive  # a server either side finds dead leaves both (several servers)
+        worker.on_idle = lambda: sync.rejoin_alone(model, worker.model_version)  # no server alive: bring one back
         if config.max_steps <= 0:
             stop_groups = config.epoch_prompts(len(dataset)) - state["prompt_index"]
     batcher = TokenBudgetBatcher(budget, info.world_size)
 
-    def save(at_step: int) -> int:
-        rollout_state = worker.state_dict() if info.is_main else {}
+    def save(at_step: int, rollout_state: dict | None = None) -> int:
+        if rollout_state is None:  # + the untrained rest of partial groups (read while the worker runs)
+            rollout_state = worker.state_dict(batcher.pending()) if info.is_main else {}
         ckpt.save_checkpoint(config.output_dir, at_step, model, tokenizer, optimizer, scheduler, rollout_state,
                              config.save_total_limit)
         return at_step
@@ -534,12 +554,13 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             record_prompts(config.output_dir, step, None, state, worker.drain_drops())
         if step == state["step"]:
             raise RuntimeError(no_step_message(worker))
+        final_state = worker.state_dict(batcher.pending()) if info.is_main and step > saved_step else None
     finally:
         if worker is not None:
             worker.stop()
         logger.close()
     if step > saved_step:  # the final model is always saved, also with save_strategy="no"
-        saved_step = save(step)
+        saved_step = save(step, final_state)
     barrier(info)
     sync.close()
     return {"step": step, "model_version": version, "output_dir": config.output_dir}

@@ -168,6 +168,10 @@ class TokenBudgetBatcher:
         self._rows[index].add(sample, marked, shared)
         return closed
 
+    def pending(self) -> list[TrainingSample]:
+        """Samples in the open micro-batch (pulled, not trained yet)."""
+        return [s for row in self._rows for s in row.samples]
+
     def flush(self) -> list[list[TrainingSample]] | None:
         """Close the open micro-batch; empty rows get a zero-weight dummy. None when nothing is open."""
         filled = [row for row in self._rows if row.samples]

@@ -129,6 +129,17 @@ class AsyncGRPOConfig:
     goes whole to one server, every weight version to all of them (docs/design.md, several servers)."""
     vllm_server_timeout: float = 1800.0
     """Seconds for readiness, each generation request (retried on expiry) and each weight-sync call (raises)."""
+    weight_sync_timeout: float = 600.0
+    """Deadline in seconds for each server's part of each weight-sync phase (pause, start, transfer, finish,
+    resume), apart from the HTTP timeout; a progress line names the server and the phase every
+    `progress_interval_s`. Past it the server is dropped (several servers) or the run waits for it to rejoin
+    (docs/reliability.md)."""
+    server_rejoin_interval_s: float = 30.0
+    """Seconds between probes of a dropped server (health, served model, max_model_len, dtype); one that answers
+    gets a cold sync of the current weights, then rollouts again."""
+    server_rejoin_wait_s: float = 600.0
+    """With no server left, how long the run waits (progress lines) for one to come back before it stops with
+    NoServerLeftError / WeightSyncError."""
     weight_transfer: Literal["auto", "nccl", "cpu_file", "ipc"] = "auto"
     """How weights reach the server: NCCL (servers on other GPUs), CUDA IPC (one server on the trainer's own GPU,
     vLLM's `ipc` backend, loopback URL only), or this project's cpu_file plugin backend (CPU servers). auto =
@@ -197,6 +208,9 @@ class AsyncGRPOConfig:
     # ---- failure handling (README "Failure policy") -------------------------------------------------------------
     progress_interval_s: float = 30.0
     """Seconds between progress lines while waiting on something external (server start, empty sample queue)."""
+    reward_errors: Literal["raise", "drop"] = "raise"
+    """A reward function that raises: `raise` stops the run with its traceback; `drop` drops the group (counted in
+    `rollout/dropped_reward_error_count`, warned about, recorded in dropped_prompts.jsonl as reward_error)."""
     max_dropped_groups_in_a_row: int = 256
     """Stop with a named error after this many groups in a row are dropped at scoring with none kept (rewards all
     equal or all None/NaN: GRPO gets no signal). 0 disables the check."""

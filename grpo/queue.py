@@ -16,7 +16,9 @@ The worker exits by itself when the trainer process dies (parent-death watchdog)
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import logging
 import math
 import os
 import pickle
@@ -35,6 +37,8 @@ from grpo.imports import resolve_import
 from grpo.ledger import PromptLedger
 from grpo.progress import WaitProgress
 from grpo.samples import ConsumedGroup
+
+log = logging.getLogger("grpo.rollout")
 
 # ---- picklability ------------------------------------------------------------------------------------------------
 
@@ -180,14 +184,15 @@ class RolloutWorker:
                  loop_cls=None, model_name: str | None = None, tokenizer_path: str | None = None,
                  eos_token_ids: list[int] | None = None, lora_name: str | None = None, dataset_start_index: int = 0,
                  skip_positions=(), token_allowance: float = math.inf, model_version: int = 0,
-                 servers_alive=None, eval_dataset=None):
+                 servers_alive=None, eval_dataset=None, carried=()):
         import torch.multiprocessing as mp
 
         self.config = config
         self._ctx = mp.get_context("spawn")
         self.spec = WorkerSpec(config, loop_cls or config.loop_cls, dataset, list(reward_funcs), list(tools),
                                environment_factory, model_name or config.model, tokenizer_path or config.model,
-                               eos_token_ids, lora_name, dataset_start_index, frozenset(skip_positions), os.getpid(),
+                               eos_token_ids, lora_name, dataset_start_index,
+                               frozenset(skip_positions) | {c["position"] for c in carried}, os.getpid(),
                                eval_dataset)
         ctx = self._ctx
         self.shared = dict(samples=ctx.Queue(), metrics=ctx.Queue(), exceptions=ctx.Queue(),
@@ -203,9 +208,14 @@ class RolloutWorker:
         self._trainer_metrics: list[tuple[str, Any]] = []
         self.wait_s = 0.0  # seconds `get` waited since the last `take_wait_s` (the trainer's per-step rollout wait)
         self.ledger = PromptLedger(dataset_start_index, skip_positions)
+        self._front: collections.deque = collections.deque()
+        """(item, counted in queued_tokens) to hand out before the inbox: carried samples, items pulled early."""
+        self._carry_in(carried, dataset_start_index)
         self._dropped_in_a_row: Counter[str] = Counter()
         self._stale_since_sample = 0
         self.waiting = WaitProgress("samples from the rollout worker", config.progress_interval_s)
+        self.on_idle = None
+        """Called while `get` finds nothing (train.py: bring a dropped server back when none is alive)."""
 
     @property
     def delivered(self):
@@ -214,6 +224,18 @@ class RolloutWorker:
     @property
     def consumed(self):
         return self.ledger.consumed
+
+    def _carry_in(self, carried, start_index: int) -> None:
+        """A resumed run: the untrained samples of the checkpoint's partial groups are handed out first."""
+        from grpo.ledger import carry_from_json
+
+        samples = [carry_from_json(record, start_index) for record in carried]
+        per_group = collections.Counter(s.group_id for s in samples)
+        for s in samples:
+            self._front.append((s, False))
+        for group_id, n in per_group.items():
+            size = next(s.group_size for s in samples if s.group_id == group_id)
+            self.ledger.resume_partial(group_id, size - n, size)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -326,9 +348,18 @@ class RolloutWorker:
         while True:
             self.check_alive()
             wait = 0.5 if deadline is None else min(0.5, max(deadline - time.monotonic(), 0.0))
+            if self._front:
+                item, counted = self._front.popleft()
+                sample = self._accept(item, counted)
+                if sample is not None:
+                    self._trainer_metrics.append(("perf/rollout_wait_s", time.perf_counter() - start))
+                    return sample
+                continue
             try:
                 item = self._inbox.get(timeout=wait)
             except queue_lib.Empty:
+                if self.on_idle is not None:
+                    self.on_idle()
                 self.waiting.tick(self._waiting_detail())
                 if deadline is not None and time.monotonic() >= deadline:
                     self.wait_s += time.perf_counter() - start
@@ -346,8 +377,9 @@ class RolloutWorker:
                 f"stale samples since the last sample; worker heartbeat {beat:.0f} s ago; servers alive "
                 f"{[u for u, a in zip(self.config.vllm_server_urls, self.servers_alive) if a]}")
 
-    def _accept(self, item):
-        """Book one queue item; return it if it is a sample fresh enough to train on, else None."""
+    def _accept(self, item, counted: bool = True):
+        """Book one queue item; return it if it is a sample fresh enough to train on, else None. `counted`: the
+        item is in the shared queued-token count (carried samples of a resumed run are not)."""
         if isinstance(item, ConsumedGroup):
             self.ledger.dropped(item.group_id, item.reason)
             self._trainer_metrics.append((f"rollout/dropped_{item.reason}_count", 1))
@@ -355,8 +387,9 @@ class RolloutWorker:
                 self._dropped_in_a_row[item.reason] += 1
                 self._check_dropped_in_a_row()
             return None
-        with self.shared["queued_tokens"].get_lock():
-            self.shared["queued_tokens"].value -= len(item)
+        if counted:
+            with self.shared["queued_tokens"].get_lock():
+                self.shared["queued_tokens"].value -= len(item)
         staleness = self.model_version - item.model_version
         if staleness > self.config.max_staleness:
             self.ledger.dropped(item.group_id, "stale")
@@ -435,7 +468,40 @@ class RolloutWorker:
             except queue_lib.Empty:
                 return items
 
-    def state_dict(self) -> dict:
+    def state_dict(self, open_samples=()) -> dict:
         """`rollout_state.json`: the ledger's resume point (low-water mark, consumed positions above it, partially
-        trained groups) and the model version."""
-        return self.ledger.state_dict() | {"model_version": self.model_version}
+        trained groups), the model version, and the untrained samples of the partial groups ("carried": those in
+        `open_samples`, the batcher's open micro-batch, and those still on their way from the worker)."""
+        from grpo.ledger import carry_to_json
+
+        carried = [carry_to_json(s, self.ledger.start_index + s.group_id) for s in self.untrained_of_partial(
+            open_samples)]
+        return self.ledger.state_dict() | {"model_version": self.model_version, "carried": carried}
+
+    def untrained_of_partial(self, open_samples=(), wait_s: float = 30.0) -> list:
+        """The samples not yet trained of every partial group. A group is published whole, so the ones not in
+        `open_samples` or already pulled are in the pipe: they are pulled now (and handed out later, in order)."""
+        partial = self.ledger.partial_groups()
+        if not partial:
+            return []
+        held = [s for s in open_samples if s.group_id in partial]
+        held += [item for item, _ in self._front if getattr(item, "group_id", None) in partial
+                 and not isinstance(item, ConsumedGroup)]
+        missing = lambda: sum(size - trained for trained, size in partial.values()) - len(held)  # noqa: E731
+        running = self.process is not None and self.process.is_alive() and not self.shared["stop"].is_set()
+        deadline = time.monotonic() + (wait_s if running else 0.0)  # not running: what the inbox holds, no wait
+        while missing() > 0 and (time.monotonic() < deadline or not self._inbox.empty()):
+            if running:
+                self.check_alive()
+            try:
+                item = self._inbox.get(timeout=0.5)
+            except queue_lib.Empty:
+                continue
+            self._front.append((item, True))
+            if not isinstance(item, ConsumedGroup) and item.group_id in partial:
+                held.append(item)
+        if missing() > 0:
+            log.warning("checkpoint: %d untrained samples of partly trained groups %s did not arrive from the "
+                        "rollout worker within %.0f s; a resume will not train them", missing(),
+                        sorted(self.ledger.start_index + g for g in partial), wait_s)
+        return held

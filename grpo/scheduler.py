@@ -28,7 +28,7 @@ from grpo.data import text_messages
 from grpo.flow_control import ConcurrencyCap, TokenAllowance
 from grpo.multiturn import FoldStats, fold_turns
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
-from grpo.scoring import group_metrics, is_kept, rollout_metrics, score_group
+from grpo.scoring import RewardFunctionError, group_metrics, is_kept, rollout_metrics, score_group
 from grpo.server_pool import GroupHome, NoServerLeftError, Server, ServerPool
 from grpo.tools import EnvironmentPool, call_tool, environment_tools, in_pool, tool_schema, with_env_prompt
 
@@ -106,7 +106,7 @@ class RolloutScheduler:
         self._schema_cache: dict[int, dict] = {}
         self._generated_tokens = 0
         self._nonfinite_seen: dict[str, int] = {}  # reward source -> NaN/±inf values so far (warned once each)
-        self._reset_drops = 0
+        self._reset_drops = self._reward_error_drops = 0
         self._length_checked = self._length_warned = False
 
     @property
@@ -221,6 +221,7 @@ class RolloutScheduler:
 
         while True:
             current_server_var.set(server)
+            epoch = server.epoch
             try:
                 result = await self._run_rollout(row, group_id, version)
                 if result.rollout is not None:
@@ -230,7 +231,7 @@ class RolloutScheduler:
             except ServerUnreachableError as exc:
                 if exc.base_url != server.client.base_url:
                     raise
-                self.pool.mark_dead(server, f"{type(exc).__name__}: {exc}")
+                self.pool.mark_dead(server, f"{type(exc).__name__}: {exc}", epoch)
                 self._push("rollout/redispatched_count", 1)
                 cause = exc
             finally:
@@ -245,7 +246,7 @@ class RolloutScheduler:
         first dispatch."""
         tasks, version = [], None
         self.allowance.group_started()
-        home = GroupHome(self.pool.pick())
+        home = GroupHome(await self.pool.pick_alive())
         for _ in range(self.config.num_generations):
             server = await self.pool.slot(home)
             if version is None:
@@ -305,6 +306,20 @@ class RolloutScheduler:
             self.rollout_buffer.put(ConsumedGroup(group_id, "env_reset_failed"))
         self._flush_metrics()
 
+    def _drop_reward_error(self, group: RolloutGroup, exc: RewardFunctionError) -> None:
+        """reward_errors="drop": the group leaves as a ConsumedGroup "reward_error" (counted by the trainer in
+        rollout/dropped_reward_error_count, recorded in dropped_prompts.jsonl); the first traceback is logged."""
+        self._reward_error_drops += 1
+        log.warning("dropping prompt %d (reason reward_error): %s; %d groups dropped for reward errors so far "
+                    "(reward_errors=drop; set --reward-errors raise to stop at the first)",
+                    self.dataset_start_index + group.group_id, exc, self._reward_error_drops,
+                    exc_info=exc.cause if self._reward_error_drops == 1 else None)
+        self.allowance.group_finished(sum(len(s) for seq in group.completions_sequences for s in seq))
+        if self.rollout_buffer is not None:
+            self.rollout_buffer.put(ConsumedGroup(group.group_id, "reward_error"))
+        self._score_queue.task_done()
+        self._flush_metrics()
+
     def _warn_nonfinite(self, group: RolloutGroup) -> None:
         """One warning per reward source, at its first NaN/±inf (counted in every group's metrics after that)."""
         for name, values in group.nonfinite_rewards.items():
@@ -327,7 +342,11 @@ class RolloutScheduler:
             group = await self._score_queue.get()
             self._push("rollout/score_wait_s", time.monotonic() - group.queued_at)
             start = time.perf_counter()
-            sources = await score_group(group, self.reward_funcs)
+            try:
+                sources = await score_group(group, self.reward_funcs, self.config.reward_errors)
+            except RewardFunctionError as exc:  # reward_errors="drop"
+                self._drop_reward_error(group, exc)
+                continue
             if group.nonfinite_rewards:
                 self._warn_nonfinite(group)
             # compute_advantages runs for every group; the drop decision looks at rewards only (spec).
@@ -350,8 +369,8 @@ class RolloutScheduler:
     def _publish(self, group: RolloutGroup, advantages: np.ndarray) -> None:
         tokens, group_size = 0, sum(len(seq) for seq in group.completions_sequences)
         for i, seq in enumerate(group.completions_sequences):
-            for sample in seq:
-                sample.advantage = float(advantages[i])
+            for j, sample in enumerate(seq):
+                sample.advantage, sample.fork_index = float(advantages[i]), j
                 sample.group_id, sample.row_index = group.group_id, group.row_index
                 sample.model_version, sample.rollout_id = group.model_version, group.rollouts[i].rollout_id
                 sample.reward = float(group.rewards[i])
@@ -503,11 +522,13 @@ class RolloutScheduler:
         cfg = self.config
         if self._client_arg is not None:  # one ready client, or a list (one per server)
             clients = self._client_arg if isinstance(self._client_arg, list) else [self._client_arg]
-            return ServerPool([c.base_url for c in clients], clients, cfg.max_concurrent_rollouts, self.servers_alive)
-        urls = list(cfg.vllm_server_urls)
-        clients = [VLLMClient(url, self.model_name, timeout=cfg.vllm_server_timeout,
-                              fail_fast_on_refused=len(urls) > 1) for url in urls]
-        return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.servers_alive)
+            urls = [c.base_url for c in clients]
+        else:
+            urls = list(cfg.vllm_server_urls)
+            clients = [VLLMClient(url, self.model_name, timeout=cfg.vllm_server_timeout,
+                                  fail_fast_on_refused=len(urls) > 1) for url in urls]
+        return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.servers_alive,
+                          rejoin_wait_s=cfg.server_rejoin_wait_s, progress_every=cfg.progress_interval_s)
 
 
 def _env_label(env_name: str | None, factory: Callable) -> str:

@@ -75,9 +75,19 @@ def _as_rewards(values: Any, n: int, source: str) -> tuple[np.ndarray, list[floa
     return rewards, nonfinite
 
 
-async def score_group(group: RolloutGroup, reward_funcs: list[Callable]) -> dict[str, np.ndarray]:
+class RewardFunctionError(RuntimeError):
+    """A reward function raised while scoring a group (reward_errors="drop": the group is dropped, counted)."""
+
+    def __init__(self, source: str, cause: BaseException):
+        self.source, self.cause = source, cause
+        super().__init__(f"reward function {source!r} raised {type(cause).__name__}: {cause}")
+
+
+async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
+                      reward_errors: str = "raise") -> dict[str, np.ndarray]:
     """Per-source rewards [G] keyed by source name; sets `group.rewards` to their NaN-aware sum and
-    `group.nonfinite_rewards` to the NaN/±inf values each source returned (scored as None)."""
+    `group.nonfinite_rewards` to the NaN/±inf values each source returned (scored as None). A reward function
+    that raises: its exception propagates (`raise`), or becomes a RewardFunctionError naming it (`drop`)."""
     n = len(group.completions)
     kwargs = dict(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids,
                   **group.reward_kwargs)
@@ -92,7 +102,10 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable]) -> dict
         if bad:
             nonfinite[key] = bad
 
-    for fn, values in zip(reward_funcs, await asyncio.gather(*calls)):
+    results = await asyncio.gather(*calls, return_exceptions=reward_errors == "drop")
+    for fn, values in zip(reward_funcs, results):
+        if isinstance(values, Exception):
+            raise RewardFunctionError(reward_name(fn), values) from values
         name = reward_name(fn)
         add(name if name not in sources else f"{name}_{len(sources)}", values, f"reward function {name!r}")
     for cls in {env[0] for env in group.env_rewards if env is not None}:

@@ -18,15 +18,22 @@ the first rollouts are version 1 [TRL]). The caller publishes `version` after `s
 
 Several servers (docs/design.md, "Several vLLM servers"): a server that fails its part of a sync (dead, or
 answering errors) is dropped from the set with a warning when another one is left, and the run continues on the
-rest; the last server's failure raises `WeightSyncError` as with one server. `alive_flags` (0/1 per server) is
-shared with the rollout worker, which stops sending to a dropped server and marks the ones it finds dead, so the
-next sync skips them. With NCCL a change of the set re-forms the group over the survivors before the transfer;
+rest; the last server's failure raises `WeightSyncError` as with one server, unless the run can wait for it to
+come back (`rejoin_wait_s`, below). `alive_flags` (0/1 per server) is shared with the rollout worker, which stops
+sending to a dropped server and marks the ones it finds dead, so the next sync skips them. With NCCL a change of the set re-forms the group over the survivors before the transfer;
 a server that dies during the broadcast itself fails the sync (the collective cannot finish).
 
 A PEFT policy is sent merged (grpo/send_plan.py) so the trainer's own weights are never modified (PEFT's in-place
 merge is wrong on FSDP2 shards). Unless `adapter` is given (grpo/lora.py): then each sync writes the adapter in PEFT
 format and registers it on every server through vLLM's runtime LoRA route as `<name>-v<version>`, without pausing
 generation (running requests keep the adapter they named), and unloads the version that left the staleness window.
+
+Deadlines and rejoin (docs/reliability.md): every server's part of every phase runs under `phase_timeout` with a
+progress line naming the server and the phase (grpo/sync_deadline.py). Rank 0 probes dropped servers every
+`rejoin_interval_s` (grpo/rejoin.py); one that passes joins the next sync (a cold sync of that version) and its
+flag is set again only after it. With no server left, rank 0 waits up to `rejoin_wait_s` for one, and cold-syncs it
+alone (`rejoin_alone`): from the model with one trainer rank, from the kept safetensors file of the last version
+with cpu_file on several ranks; NCCL on several ranks and ipc cannot do that alone and raise as before.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from grpo.rejoin import Rejoiner, RejoinMixin
 from grpo.send_plan import SendPlan, build_plan, checkpoint_name, is_adapter_param  # noqa: F401 (public names)
+from grpo.sync_deadline import call_phase, wait_phase
 from grpo.vllm_server import free_port
 
 log = logging.getLogger("grpo.weight_sync")
@@ -77,6 +86,15 @@ class WeightSyncConfig:
     """cpu_file: where the safetensors file goes; None = /dev/shm when present (tmpfs), else the temp dir."""
     ipc_bucket_bytes: int = 256 << 20
     """ipc: bytes gathered and shared per /update_weights call (whole parameter groups; a larger group alone)."""
+    phase_timeout: float | None = None
+    """Deadline for each server's part of each phase (pause, start, transfer, finish, resume); None = a little past
+    `timeout`."""
+    progress_every: float = 30.0
+    """Seconds between progress lines while a phase waits for a server."""
+    rejoin_interval_s: float = 0.0
+    """Seconds between probes of a dropped server (0 = never probed: dropped servers stay out)."""
+    rejoin_wait_s: float = 0.0
+    """With no server left after a sync, how long rank 0 waits for one to come back (0 = raise at once)."""
 
 
 # ---- the protocol -----------------------------------------------------------------------------------------------
@@ -142,7 +160,7 @@ def nccl_rank_offsets(world_sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
-class WeightSync:
+class WeightSync(RejoinMixin):
     """Trainer side of the weight sync; create one on every rank (only rank 0 talks to the servers)."""
 
     def __init__(self, base_url: str | Sequence[str], config: WeightSyncConfig = WeightSyncConfig(), adapter=None):
@@ -159,6 +177,11 @@ class WeightSync:
         self.mode = config.mode
         self.ipc = None  # grpo.ipc_transfer.IpcChannel (rank 0, mode ipc)
         self._transfer_times: dict[str, float] = {}  # ipc: where the last transfer's seconds went (rank 0)
+        self.rejoiner = Rejoiner(self.urls, config.rejoin_interval_s)
+        """`rejoiner.probe = fn(url) -> None | reason` (train.py) enables rejoin."""
+        self._joining: set[int] = set()  # dropped servers taking part in this sync; alive after it
+        self._kept_file: str | None = None  # cpu_file on several ranks: the last version, for a lone rejoin
+        self._none_left: WeightSyncError | None = None
         if config.mode == "ipc":  # refused before anything is sent: the handles travel pickled
             from grpo.ipc_transfer import require_loopback
 
@@ -176,7 +199,19 @@ class WeightSync:
         return self.controls[0] if self.controls else None
 
     def alive(self) -> list[int]:
-        return [i for i in range(len(self.urls)) if self.alive_flags[i]]
+        """Servers this sync goes to: alive ones and those rejoining."""
+        return [i for i in range(len(self.urls)) if self.alive_flags[i] or i in self._joining]
+
+    def dropped(self) -> list[int]:
+        return [i for i in range(len(self.urls)) if not self.alive_flags[i] and i not in self._joining]
+
+    @property
+    def phase_deadline(self) -> float:
+        """weight_sync_timeout; unset, a little past the HTTP timeout (so the HTTP error comes first)."""
+        return self.config.phase_timeout or self.config.timeout + 5.0
+
+    def _phase(self, i: int, phase: str, version: int, fn: Callable):
+        return call_phase(fn, self.urls[i], phase, version, self.phase_deadline, self.config.progress_every)
 
     def init(self, model: nn.Module) -> None:
         """Once, on every rank, before the first sync: plan the tensors and open the transfer channel."""
@@ -256,6 +291,7 @@ class WeightSync:
             raise RuntimeError("WeightSync.sync before init(model): call init once on every rank first")
         t0 = time.perf_counter()
         if self.rank == 0:
+            self._admit_rejoiners()
             self._each("pause", version, lambda c: c.pause(mode="keep"))
         t_paused = time.perf_counter()
         _barrier()
@@ -270,6 +306,10 @@ class WeightSync:
         _barrier()
         if self.rank == 0:
             self._each("resume", version, lambda c: c.resume())
+            for i in sorted(self._joining):
+                self._confirm(i, version)
+            if not self.alive():
+                self._wait_for_rejoin(model, version)
         return {"perf/weight_sync_s": time.perf_counter() - t0,
                 "perf/weight_sync_pause_s": t_paused - t0,
                 "perf/weight_sync_barrier_s": t_barrier - t_paused,
@@ -280,7 +320,7 @@ class WeightSync:
         fix, which drops that server when another one is left (`_drop_or_raise`)."""
         for i in self.alive():
             try:
-                call(self.controls[i])
+                self._phase(i, what, version, lambda c=self.controls[i]: call(c))
             except Exception as exc:
                 url = self.urls[i]
                 error = WeightSyncError(
@@ -290,15 +330,23 @@ class WeightSync:
                 self._drop_or_raise(i, error, exc)
 
     def _drop_or_raise(self, i: int, error: WeightSyncError, cause: BaseException) -> None:
-        if not [j for j in self.alive() if j != i]:
-            raise error from cause
+        if i in self._joining:  # a rejoining server that failed again stays dropped
+            self._joining.discard(i)
+            self.rejoiner.failed(i, error)
+            return
+        if not [j for j in self.alive() if j != i and j not in self._joining]:
+            if not self._can_rejoin_alone():
+                raise error from cause
+            error.__cause__ = cause
+            self._none_left = error
         self.alive_flags[i] = 0
+        self.rejoiner.dropped(i)
         log.warning("dropping vLLM server %s from the run (%d left): %s", self.urls[i], len(self.alive()), error)
 
     def _transfer(self, version: int) -> None:
         """start -> update -> finish on rank 0, gathers on every rank; on error finish best-effort and raise."""
-        if self.rank != 0:
-            for _ in self.plan.iter_tensors():
+        if self.rank != 0 or (not self.alive() and self.mode != "cpu_file"):
+            for _ in self.plan.iter_tensors():  # the gathers are collective: rank 0 takes part with no server
                 pass
             return
         if self.mode == "nccl":
@@ -321,17 +369,18 @@ class WeightSync:
                 log.warning("re-forming the NCCL weight-transfer group over %d servers", len(members))
                 self._init_nccl()
             for i in members:
-                self.controls[i].start_weight_update()
+                self._phase(i, "start", version, self.controls[i].start_weight_update)
                 started.append(i)
-            self._send_nccl(members)
+            self._send_nccl(members, version)
             for i in members:
-                self.controls[i].finish_weight_update(weight_version=str(version))
+                self._phase(i, "finish", version,
+                            lambda c=self.controls[i]: c.finish_weight_update(weight_version=str(version)))
         except Exception as exc:
             for i in started:
-                _finish_quietly(self.controls[i])
+                _finish_quietly(self.controls[i], self.phase_deadline)
             raise self._transfer_error([self.urls[i] for i in members], version, exc) from exc
 
-    def _send_nccl(self, members: list[int]) -> None:
+    def _send_nccl(self, members: list[int], version: int) -> None:
         from grpo.nccl_broadcast import packed_broadcast_send
 
         manifest = self.plan.manifest
@@ -345,7 +394,8 @@ class WeightSync:
                               self.config.buffer_size_bytes, self.config.num_buffers,
                               drain_before_next=self.plan.has_dtensors)
         for i, thread, result in calls:
-            _join(thread, result, self.config.timeout, f"POST {self.urls[i]}/update_weights")
+            wait_phase(thread, result, self.urls[i], "transfer", version, self.phase_deadline,
+                       self.config.progress_every)
 
     def _transfer_ipc(self, version: int) -> None:
         """One server on this GPU: start, one /update_weights per bucket (each answered before the next bucket is
@@ -368,7 +418,7 @@ class WeightSync:
                 torch.cuda.ipc_collect()  # the server let go of the last bucket at finish
         except Exception as exc:
             if started:
-                _finish_quietly(control)
+                _finish_quietly(control, self.phase_deadline)
             raise self._transfer_error([self.urls[i]], version, exc) from exc
 
     def _transfer_file(self, version: int) -> None:
@@ -380,22 +430,33 @@ class WeightSync:
         tmp_dir = self.config.tmp_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         fd, path = tempfile.mkstemp(prefix="grpo_weights_", suffix=".safetensors", dir=tmp_dir)
         os.close(fd)
+        keep = self.world_size > 1 and self._can_rejoin_alone()  # rank 0 alone cannot gather: keep the file
         try:
             save_file(state, path)
             del state
             for i in self.alive():
-                control, started = self.controls[i], False
-                try:
-                    control.start_weight_update()
-                    started = True
-                    control.update_weights({"path": path}, timeout=self.config.timeout)
-                    control.finish_weight_update(weight_version=str(version))
-                except Exception as exc:
-                    if started:
-                        _finish_quietly(control)
-                    self._drop_or_raise(i, self._transfer_error([self.urls[i]], version, exc), exc)
+                self._load_file(i, path, version)
         finally:
-            os.unlink(path)
+            if keep:
+                if self._kept_file:
+                    os.unlink(self._kept_file)
+                self._kept_file = path
+            else:
+                os.unlink(path)
+
+    def _load_file(self, i: int, path: str, version: int) -> None:
+        """start -> update (the safetensors file) -> finish on server i; a failure drops it (or raises)."""
+        control, started = self.controls[i], False
+        try:
+            self._phase(i, "start", version, control.start_weight_update)
+            started = True
+            self._phase(i, "transfer", version, lambda: control.update_weights({"path": path},
+                                                                                timeout=self.config.timeout))
+            self._phase(i, "finish", version, lambda: control.finish_weight_update(weight_version=str(version)))
+        except Exception as exc:
+            if started:
+                _finish_quietly(control, self.phase_deadline)
+            self._drop_or_raise(i, self._transfer_error([self.urls[i]], version, exc), exc)
 
     def _init_adapter(self) -> None:
         """Unload this name's adapters an earlier run left registered, and their directories."""
@@ -436,6 +497,9 @@ class WeightSync:
                 "perf/weight_sync_transfer_s": t_sent - t_gathered}
 
     def close(self) -> None:
+        if self._kept_file:
+            os.unlink(self._kept_file)
+            self._kept_file = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -452,12 +516,16 @@ def _broadcast_str(value: str) -> str:
     return box[0]
 
 
-def _finish_quietly(control) -> None:
-    """Best-effort /finish_weight_update after a failed transfer (the server is usually dead or wedged by now)."""
-    try:
-        control.finish_weight_update(weight_version=None)
-    except Exception:  # the original error is the one that matters
-        pass
+def _finish_quietly(control, deadline_s: float = 30.0) -> None:
+    """Best-effort /finish_weight_update after a failed transfer (the server is usually dead or wedged by now), on a
+    side thread given at most `deadline_s`: a silent server must not hold the trainer here either."""
+    def finish():
+        try:
+            control.finish_weight_update(weight_version=None)
+        except Exception:  # the original error is the one that matters
+            pass
+
+    _start_thread(finish, "vllm-finish-cleanup")[0].join(deadline_s)
 
 
 def _merge_adapter(model: nn.Module) -> bool:

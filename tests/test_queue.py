@@ -93,14 +93,19 @@ def test_queue_drops_exactly_the_over_stale_samples(tiny_qwen3):
     assert worker.state_dict()["prompt_index"] == 2 and worker.drain_drops() == [(0, "stale"), (1, "stale")]
     worker.mark_trained([s for s in accepted if s.group_id != 3])
     assert worker.consumed_groups == 6
-    assert worker.state_dict() == {"prompt_index": 3, "consumed_above": [4, 5, 6], "partial": [], "model_version": 6}
-    half = sample(6, group_id=9)
-    half.group_size = 2  # one of the group's two samples trained, the other died with the run
+    assert worker.state_dict() == {"prompt_index": 3, "consumed_above": [4, 5, 6], "partial": [], "model_version": 6,
+                                   "carried": []}
+    half, rest = sample(6, group_id=9), sample(6, group_id=9)
+    half.group_size = rest.group_size = 2  # one of the group's two samples trained, the other still open
     worker.mark_trained([half])
-    assert worker.state_dict()["partial"] == [9]
+    state = worker.state_dict(open_samples=[rest])
+    assert state["partial"] == [9] and [c["position"] for c in state["carried"]] == [9]
     worker._accept(ConsumedGroup(3, "equal_rewards"))
     worker._accept(ConsumedGroup(8, "filtered"))
-    assert worker.state_dict()["prompt_index"] == 7 and worker.state_dict()["consumed_above"] == [8, 9]
+    # a partial group is not consumed: it holds the low-water mark, and its rest is carried
+    assert worker.state_dict()["prompt_index"] == 7 and worker.state_dict()["consumed_above"] == [8]
+    worker.mark_trained([rest])
+    assert worker.state_dict()["consumed_above"] == [8, 9] and worker.state_dict()["partial"] == []
 
 
 # ---- failure surfacing -------------------------------------------------------------------------------------------
@@ -220,3 +225,44 @@ def test_samples_that_went_stale_in_the_batcher_are_dropped_at_batch_close(tiny_
     assert dropped == 2 and [s.group_id for s in kept[0]] == [0]
     assert [s.group_id for s in kept[1]] == [-1] and kept[1][0].num_trained == 0  # a dummy keeps the rank busy
     assert worker.drain_drops() == [(1, "stale"), (2, "stale")] and worker.state_dict()["prompt_index"] == 0
+
+
+def test_the_untrained_rest_of_a_partial_group_is_carried_through_a_resume(tiny_qwen3):
+    """Group 2 (3 samples): one trained before the checkpoint, one in the batcher's open micro-batch, one still in
+    the pipe. The checkpoint carries the two (JSON, arrays and -inf included); the resumed worker does not draw
+    prompt 2 again, hands the two out first, and consumes the prompt once they are trained."""
+    import json
+
+    import numpy as np
+
+    from grpo.ledger import resume_skips
+
+    rows = [{"prompt": PROMPT}] * 10
+    worker = RolloutWorker(config_for(tiny_qwen3), rows, [length_reward])
+    group = [sample(1, group_id=2) for _ in range(3)]
+    for i, s in enumerate(group):
+        s.group_size, s.rollout_id, s.advantage = 3, f"r{i}", 0.5 - i
+        s.sampler_top_ids = np.arange(10, dtype=np.int64).reshape(5, 2)
+        s.sampler_top_logprobs = np.full((5, 2), -np.inf, dtype=np.float32)
+        s.sampler_top_logprobs[1:, 0] = -0.25
+    for g in (0, 1):
+        worker.ledger.dropped(g, "equal_rewards")
+    worker.mark_trained([group[0]])
+    worker._inbox.put(group[2])
+    state = json.loads(json.dumps(worker.state_dict(open_samples=[group[1]]) | {"step": 4}))
+    assert state["prompt_index"] == 2 and state["partial"] == [2]
+    assert [c["rollout_id"] for c in state["carried"]] == ["r1", "r2"]
+    assert [item.rollout_id for item, counted in worker._front] == ["r2"]  # pulled early, still handed out here
+
+    resumed = RolloutWorker(config_for(tiny_qwen3), rows, [length_reward], dataset_start_index=state["prompt_index"],
+                            skip_positions=resume_skips(state), carried=state["carried"])
+    assert 2 in resumed.spec.skip_positions  # not generated again
+    back = [resumed._accept(item, counted) for item, counted in list(resumed._front)]
+    for old, new in zip(group[1:], back):
+        assert new.group_id == 0 and new.key == old.key and new.advantage == old.advantage
+        assert new.input_ids == old.input_ids and new.sampler_logprobs == old.sampler_logprobs
+        np.testing.assert_array_equal(new.sampler_top_ids, old.sampler_top_ids)
+        np.testing.assert_array_equal(new.sampler_top_logprobs, old.sampler_top_logprobs)
+    assert resumed.state_dict()["prompt_index"] == 2  # the rest is not trained yet
+    resumed.mark_trained(back)
+    assert resumed.state_dict()["prompt_index"] == 3 and resumed.state_dict()["partial"] == []

@@ -121,7 +121,8 @@ def test_a_dead_server_rollouts_move_to_the_survivor_and_nothing_is_lost(tokeniz
 def test_no_server_left_is_a_named_error(tokenizer):
     servers = [StandInServer("http://a", die_after=2), StandInServer("http://b", die_after=2)]
     with pytest.raises(NoServerLeftError, match="no vLLM server left") as info:
-        run_loop(tokenizer, servers, groups=6)
+        run_loop(tokenizer, servers, groups=6, server_rejoin_wait_s=0.5)
+    assert "restart" in str(info.value) and "server_rejoin_wait_s" in str(info.value)
     assert "restart" in str(info.value) and "http://a" in str(info.value) and "http://b" in str(info.value)
 
 

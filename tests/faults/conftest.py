@@ -1,5 +1,6 @@
 """Fault-suite fixtures: one vLLM CPU server of its own (runs here train against it and change its weights), a
-fault-injecting proxy per test, and the summary line (scenarios N, hangs, silent, prompts lost, trained twice)."""
+fault-injecting proxy per test, and the summary line (scenarios N, hangs, silent, prompts lost, trained twice),
+followed by the chaos soak's audit line when it ran."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from conftest import start_server
 
-from .harness import SCORE, Hang, Silent
+from .harness import SCORE, SOAK_LINES, Hang, Silent
 from .proxy import FaultProxy
 
 HERE = Path(__file__).parent
@@ -41,6 +42,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"fault suite: scenarios {SCORE['scenarios']} (passed {SCORE['passed']}), hangs {SCORE['hangs']}, "
             f"silent {SCORE['silent']}, prompts lost {SCORE['lost']}, trained twice {SCORE['twice']}")
+    for line in SOAK_LINES:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Scenario bookkeeping for the fault suite: a deadline around every blocking call (a hang is a failure of its
 own kind), a check that an error names its cause and its fix (an error that does not is "silent"), and the prompt
 audit over `trained_prompts.jsonl` / `dropped_prompts.jsonl` (lost = a position below the final resume point
-neither trained nor recorded as dropped; twice = trained in two runs)."""
+neither trained nor recorded as dropped; twice = trained in two runs), and the same audit per sample."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 
 SCORE = {"scenarios": 0, "passed": 0, "hangs": 0, "silent": 0, "lost": 0, "twice": 0}
+SOAK_LINES: list[str] = []
+"""The soak's audit lines, printed after the fault-suite line (conftest.py)."""
 
 FIX_WORDS = ("restart", "start the server", "add ", "check", "set ", "pass ", "use ", "raise ", "put ", "define",
              "give ", "rename", "shorten", "lower", "wrap", "pick ", "make ", "py-spy", "--")
@@ -82,14 +84,44 @@ def _effective(path: Path) -> list[dict]:
 
 
 def audit(out_dir: Path, resume_point: int) -> dict:
-    """Positions below `resume_point` (the final low-water mark) trained in exactly one run or dropped."""
+    """Positions below `resume_point` (the final low-water mark) trained in exactly one run or dropped. A prompt
+    may be trained in a later run only through samples carried from the earlier one (the rest of a partly trained
+    group, docs/reliability.md); a sample generated anew for a prompt an earlier run trained is "twice"."""
     trained: dict[int, set[int]] = {}
+    fresh: dict[int, set[int]] = {}  # position -> runs that trained samples they generated themselves
     for record in _effective(out_dir / "trained_prompts.jsonl"):
         for position in record["prompts"]:
             trained.setdefault(position, set()).add(record["run"])
+        named = record.get("samples")
+        for position in (record["prompts"] if named is None else [e[0] for e in named if not e[3:] or not e[3]]):
+            fresh.setdefault(position, set()).add(record["run"])
     dropped = {p for record in _effective(out_dir / "dropped_prompts.jsonl") for p, _ in record["prompts"]}
-    twice = sorted(p for p, runs in trained.items() if len(runs) > 1)
+    twice = sorted(p for p, runs in trained.items()
+                   if len(fresh.get(p, set())) > 1 or (fresh.get(p) and min(runs) < min(fresh[p])))
     lost = sorted(p for p in range(resume_point) if p not in trained and p not in dropped)
     SCORE["twice"] += len(twice)
     SCORE["lost"] += len(lost)
     return {"trained": sorted(trained), "dropped": sorted(dropped), "twice": twice, "lost": lost}
+
+
+def audit_samples(out_dir: Path, resume_point: int) -> dict:
+    """Per sample (docs/reliability.md): twice = a sample trained in two steps that both stand, or a prompt with
+    more samples trained than its group had (generated twice); lost = a prompt below `resume_point`, not dropped,
+    with fewer samples trained than its group had (a partial group's rest never trained)."""
+    seen: dict[str, int] = {}
+    per_position: dict[int, set[str]] = {}
+    sizes: dict[int, int] = {}
+    for record in _effective(out_dir / "trained_prompts.jsonl"):
+        for position, key, size, *_ in record.get("samples", []):
+            seen[key] = seen.get(key, 0) + 1
+            per_position.setdefault(position, set()).add(key)
+            sizes[position] = size
+    dropped = {p for record in _effective(out_dir / "dropped_prompts.jsonl") for p, _ in record["prompts"]}
+    twice = sorted(k for k, n in seen.items() if n > 1)
+    twice += [f"prompt {p}: {len(keys)} samples of a group of {sizes[p]}" for p, keys in sorted(per_position.items())
+              if sizes[p] and len(keys) > sizes[p]]
+    lost = sorted(p for p, keys in per_position.items()
+                  if p < resume_point and p not in dropped and sizes[p] and len(keys) < sizes[p])
+    SCORE["twice"] += len(twice)
+    SCORE["lost"] += len(lost)
+    return {"trained": len(seen), "twice": twice, "lost": lost}

@@ -1,7 +1,8 @@
 """A fault-injecting HTTP proxy in front of a real vLLM server.
 
 Every request is forwarded unchanged unless a rule for its route says otherwise: answer 503, reset the connection
-without an answer, stall (hold the request like a SIGSTOPped server), or rewrite the JSON answer. `down()` resets
+without an answer, stall (hold the request like a SIGSTOPped server), delay it (a latency spike: forwarded after
+`delay_s`), or rewrite the JSON answer. `down()` resets
 every connection, as a killed server would; `up()` brings it back. Rules can be limited to the next n requests.
 """
 
@@ -21,10 +22,11 @@ from urllib.parse import urlparse
 @dataclass
 class Rule:
     route: str  # path prefix, e.g. "/metrics"
-    action: str  # "503" | "reset" | "stall" | "rewrite"
+    action: str  # "503" | "reset" | "stall" | "delay" | "rewrite"
     remaining: int | None = None  # None = every matching request
     rewrite: object = None  # callable(dict) -> dict for "rewrite"
     stall_s: float = 3600.0
+    delay_s: float = 1.0
 
 
 class FaultProxy:
@@ -49,7 +51,11 @@ class FaultProxy:
 
             do_POST = do_GET
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # a client that gave up (a delayed request): quiet
+                pass
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -108,6 +114,8 @@ class FaultProxy:
         if rule is not None and rule.action == "stall":
             self._release.wait(rule.stall_s)
             return self._reset(handler)
+        if rule is not None and rule.action == "delay":
+            time.sleep(rule.delay_s)
         if rule is not None and rule.action == "503":
             return self._send(handler, 503, b'{"error": {"message": "injected: service unavailable"}}')
         conn = http.client.HTTPConnection(self.upstream_host, self.upstream_port, timeout=600)

@@ -166,7 +166,8 @@ def test_one_of_two_torchrun_ranks_failing_ends_the_whole_run(faults_server, pro
     run with the named error, and no worker is left behind."""
     out = tmp_path / "run"
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd = torchrun + train_cmd(proxy.base_url, out, "--max-steps", "500", "--save-strategy", "no")[1:]
+    cmd = torchrun + train_cmd(proxy.base_url, out, "--max-steps", "500", "--save-strategy", "no",
+                               "--server-rejoin-wait-s", "0")[1:]  # no wait for the vanished server to come back
     cmd[cmd.index("--vllm-server-timeout") + 1] = "600"
     proc = start(cmd, tmp_path / "run.log")
     try:

@@ -1,0 +1,62 @@
+"""Weight-sync calls with a deadline that says what it waits for (docs/reliability.md).
+
+Each server's part of each phase (pause, start, transfer, finish, resume) runs on a daemon thread; the trainer
+joins it in one-second slices, logs a progress line every `every` seconds naming the server, the phase and the
+version, and gives up at `weight_sync_timeout` with a `PhaseTimeout` (the caller drops that server when another
+one is left). The HTTP timeout stays what it was: a stopped server (SIGSTOP) or a hung worker never answers, so
+without this the trainer waited the whole `vllm_server_timeout` without a word.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from grpo.progress import WaitProgress
+
+log = logging.getLogger("grpo.weight_sync")
+
+
+class PhaseTimeout(TimeoutError):
+    """A server did not finish its part of a weight-sync phase within weight_sync_timeout."""
+
+
+def start_thread(fn: Callable, what: str) -> tuple[threading.Thread, dict]:
+    """Run `fn` on a daemon thread; (thread, result box with "value" or "error")."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # surfaced to the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name=what)
+    thread.start()
+    return thread, result
+
+
+def wait_phase(thread: threading.Thread, result: dict, url: str, phase: str, version: int, deadline_s: float,
+               every_s: float):
+    """Join `thread` with progress lines; its value, its exception, or PhaseTimeout past `deadline_s`."""
+    progress = WaitProgress(f"{url} to finish the {phase} phase of weight sync version {version}", every_s, log)
+    end = time.monotonic() + deadline_s
+    while thread.is_alive():
+        thread.join(min(1.0, max(end - time.monotonic(), 0.01)))
+        if thread.is_alive() and time.monotonic() >= end:
+            raise PhaseTimeout(f"{url} did not finish the {phase} phase of weight sync version {version} within "
+                               f"{deadline_s:.0f} s (weight_sync_timeout): the server is stopped (SIGSTOP), hung (a "
+                               f"stuck worker) or overloaded; check its log, restart it, or raise "
+                               f"--weight-sync-timeout")
+        progress.tick(f"deadline {deadline_s:.0f} s")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def call_phase(fn: Callable, url: str, phase: str, version: int, deadline_s: float, every_s: float):
+    """`fn()` under `wait_phase`."""
+    thread, result = start_thread(fn, f"vllm-{phase}")
+    return wait_phase(thread, result, url, phase, version, deadline_s, every_s)
