@@ -196,6 +196,7 @@ def sync_config(config: AsyncGRPOConfig):
     from grpo.weight_sync import WeightSyncConfig
 
     return WeightSyncConfig(mode=config.weight_transfer, timeout=config.vllm_server_timeout,
+                            ipc_bucket_bytes=config.ipc_bucket_mb << 20,
                             phase_timeout=config.weight_sync_timeout, progress_every=config.progress_interval_s,
                             rejoin_interval_s=config.server_rejoin_interval_s,
                             rejoin_wait_s=config.server_rejoin_wait_s)

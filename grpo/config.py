@@ -144,6 +144,10 @@ class AsyncGRPOConfig:
     """How weights reach the server: NCCL (servers on other GPUs), CUDA IPC (one server on the trainer's own GPU,
     vLLM's `ipc` backend, loopback URL only), or this project's cpu_file plugin backend (CPU servers). auto =
     ipc when the server shares the trainer's GPU, else the server's backend; the choice and why are logged."""
+    ipc_bucket_mb: int = 256
+    """ipc: MiB gathered and shared per /update_weights call (whole parameter groups; a larger group travels alone).
+    Fewer, larger buckets mean fewer round trips and more GPU memory held during a sync (the one-GPU memory plan
+    counts 4 buckets)."""
 
     # ---- loss & advantages (grpo/losses.py, grpo/advantages.py, docs/losses.md) -------------------------------
     loss: LossOptions = field(default_factory=ScoreCenteringOptions)
@@ -257,6 +261,8 @@ class AsyncGRPOConfig:
         if unknown:
             raise ValueError(f"unknown advantage batch transform(s) {sorted(unknown)}: use "
                              f"{sorted(registered_batch_transforms())} or register yours (docs/losses.md)")
+        if self.ipc_bucket_mb < 1:
+            raise ValueError(f"ipc_bucket_mb={self.ipc_bucket_mb}: a bucket holds at least 1 MiB (default 256)")
 
     @property
     def num_sampler_logprobs(self) -> int:

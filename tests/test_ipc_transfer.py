@@ -357,3 +357,32 @@ def test_ipc_errors_name_the_fix():
                                                 "Available UUIDs: ['def']")
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in error_hint(
         500, "/update_weights", "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+
+
+def test_ipc_bucket_size_is_a_run_option(fake_ipc):
+    """--ipc-bucket-mb reaches the sender: 1 MiB buckets on a model of a few MiB send several buckets, 64 MiB one."""
+    from grpo.config import AsyncGRPOConfig
+    from train import sync_config
+
+    with pytest.raises(ValueError, match="ipc_bucket_mb"):
+        AsyncGRPOConfig(model="m", ipc_bucket_mb=0)
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(tf.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                               vocab_size=2048, tie_word_embeddings=False)).eval()
+    counts = {}
+    for mb in (1, 64):
+        server = StandInServer(fake_ipc)
+        try:
+            config = AsyncGRPOConfig(model="m", weight_transfer="ipc", ipc_bucket_mb=mb, vllm_server_timeout=10)
+            sync = WeightSync(server.base_url, sync_config(config))
+            sync.init(model)
+            sync.sync(model, version=1)
+            counts[mb] = len(server.layouts)
+            assert list(server.received) == [n for n, _ in sync.plan.iter_tensors()]
+            sync.close()
+        finally:
+            server.stop()
+    assert counts[64] == 1 < counts[1], counts
