@@ -91,38 +91,35 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-class WandbTracker:
+class _RunTracker:
+    """wandb and trackio share one run API: `lib` is the module, `run` the run `lib.init` returned."""
+
+    lib = run = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(_finite(metrics), step=step)
+
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list]) -> None:
+        self.run.log({key: self.lib.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class WandbTracker(_RunTracker):
     def __init__(self, output_dir: Path, name: str, config: dict, project: str):
         import wandb
 
-        self.wandb = wandb
+        self.lib = wandb
         self.run = wandb.init(project=project, name=name, config=config, dir=str(output_dir), reinit="create_new")
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(_finite(metrics), step=step)
 
-    def log_table(self, step: int, key: str, columns: list[str], rows: list[list]) -> None:
-        self.run.log({key: self.wandb.Table(columns=columns, data=rows)}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class TrackioTracker:
+class TrackioTracker(_RunTracker):
     def __init__(self, output_dir: Path, name: str, config: dict, project: str):
         import trackio
 
-        self.trackio = trackio
+        self.lib = trackio
         self.run = trackio.init(project=project, name=name, config=config, auto_log_cpu=False, auto_log_gpu=False)
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(_finite(metrics), step=step)
-
-    def log_table(self, step: int, key: str, columns: list[str], rows: list[list]) -> None:
-        self.run.log({key: self.trackio.Table(columns=columns, data=rows)}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 def build_trackers(config) -> list:
