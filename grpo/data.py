@@ -151,7 +151,21 @@ def letters_rows(num_rows: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
-BUILTIN_TASKS = {"letters": letters_rows}
+def letters_heldout_rows(num_rows: int = 128) -> list[dict[str, Any]]:
+    """`builtin:letters_heldout`: the held-out split of `letters` for `--eval-dataset`: rows drawn with another seed,
+    minus every prompt `builtin:letters` has (so short one-word prompts, which repeat, are rarer here)."""
+    seen = {row["prompt"][0]["content"] for row in letters_rows()}
+    rows, seed = [], 1
+    while len(rows) < num_rows:
+        for row in letters_rows(4 * num_rows, seed=seed):
+            if row["prompt"][0]["content"] not in seen:
+                seen.add(row["prompt"][0]["content"])
+                rows.append(row)
+        seed += 1
+    return rows[:num_rows]
+
+
+BUILTIN_TASKS = {"letters": letters_rows, "letters_heldout": letters_heldout_rows}
 """`--dataset builtin:<name>` -> row builder; each task has a same-named reward in grpo/rewards.py."""
 
 

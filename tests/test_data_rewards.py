@@ -87,6 +87,14 @@ def test_builtin_task_dataset_and_registry_reward_pair():
         builtin_dataset("nope")
 
 
+def test_letters_heldout_split_shares_no_prompt_with_the_training_rows():
+    train = {row["prompt"][0]["content"] for row in load_prompts("builtin:letters")}
+    held_out = [row["prompt"][0]["content"] for row in load_prompts("builtin:letters_heldout")]
+    assert len(held_out) >= 100 and len(set(held_out)) == len(held_out)
+    assert not train & set(held_out)
+    assert all(row["task"] == "letters" for row in load_prompts("builtin:letters_heldout"))
+
+
 def test_resolve_reward_by_name_and_import_path():
     assert resolve_reward("accuracy") is accuracy_reward and resolve_reward("format") is format_reward
     assert resolve_reward("grpo.rewards:letters_reward") is letters_reward
