@@ -160,11 +160,21 @@ def report(out: Path, warmup: int, sync_target_s: float) -> int:
                         None) if check.exists() else None
             failed += line is None or not line.startswith("PASS")
             print(f"{line[:4]} {name}: {line[5:]}" if line else f"FAIL {name}: no final-checkpoint logprob check in {check}")
-        if len(runs) == 2:
-            print(f"S = sync step / async step = {runs['sync']['step_s'] / runs['async']['step_s']:.2f}")
+        speedup = runs["sync"]["step_s"] / runs["async"]["step_s"] if len(runs) == 2 else None
+        if speedup is not None:
+            print(f"S = sync step / async step = {speedup:.2f}")
+            if workload == "longtail":  # the workload async training is for
+                failed += speedup < 1.5
+                print(f"{'PASS' if speedup >= 1.5 else 'FAIL'} longtail: S {speedup:.2f} >= 1.5")
         bench = out / workload / "overlap.json"
         if bench.exists():
             b = json.loads(bench.read_text())
+            if speedup is not None:  # how well the pipeline hides waits (S/L_c), what the user gets of the ideal (S/L)
+                print(f"S/L = {speedup / b['L']:.2f}, S/L_c = {speedup / b['L_c']:.2f}")
+                if workload == "fixed" and setup.get("mps") == "split":
+                    failed += speedup / b["L_c"] < 0.9
+                    print(f"{'PASS' if speedup / b['L_c'] >= 0.9 else 'FAIL'} fixed, MPS split: S/L_c "
+                          f"{speedup / b['L_c']:.2f} >= 0.9")
             print(f"overlap ({b['rollouts_per_step']:.0f} rollouts, {b['completion_tokens_per_step']:.0f} completion "
                   f"tokens per step, {b['in_flight']} steps in flight, top-{b['num_sampler_logprobs']} logprobs): "
                   f"G {b['G']:.3f} s, T {b['T']:.3f} s alone (G/T {b['G'] / b['T']:.2f}); together G_c "
