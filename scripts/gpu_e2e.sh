@@ -12,7 +12,7 @@
 #   MPS=off|shared|split   CUDA MPS daemon for server + trainers (split: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 each);
 #                          started here (root), stopped at exit
 #   WORKLOADS="fixed"      any of: fixed (every completion MAXLEN tokens), longtail (10 % to MAXLEN, the rest short)
-#   TRAIN=1 BENCH=1        the async+sync runs / the overlap bench, per workload
+#   TRAIN=1 BENCH=1        the async+sync runs / the overlap bench, per workload (BENCH="fixed": that workload only)
 #   STEPS=20 MAXLEN=384 TOKEN_BUDGET=16384 GRAD_ACCUM=2 WARMUP=3 (steps left out of the steady state)
 #   WEIGHT_TRANSFER=ipc    or cpu_file (the previous one-GPU path: safetensors through /dev/shm), auto
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
@@ -155,7 +155,7 @@ for W in $WORKLOADS; do
     run "$W" async 4 && check "$W" async 4
     [ -n "${ASYNC_ONLY:-}" ] || { run "$W" sync 0 && check "$W" sync 0 --compare-with "$RUNS/$W/async"; }
   fi
-  if [ "${BENCH:-1}" = 1 ]; then
+  if [ "${BENCH:-1}" = 1 ] || [[ " ${BENCH:-} " == *" $W "* ]]; then
     timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/gpu_overlap.py --server "$URL" --model "$MODEL" --workload "$W" \
       --max-len "$MAXLEN" --token-budget "$TOKEN_BUDGET" --grad-accum "$GRAD_ACCUM" --in-flight 4 \
       --reps "${BENCH_REPS:-4}" --warmup "${BENCH_WARMUP:-2}" --json "$OUT/$W/overlap.json" > "$OUT/$W/overlap.log" 2>&1
