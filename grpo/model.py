@@ -104,14 +104,16 @@ def compile_layer_regions(model) -> int:
     micro-batch, static shapes would recompile each time. With Gated DeltaNet layers, the torch GDN kernel's
     state-free regions are compiled too (`grpo.gdn.compile_chunk_regions`; measured on one H200, Qwen3.5-2B GDN
     shapes: fwd+bwd 34.3 -> 27.8 ms per layer on a tree row, 16.5 -> 12.5 on a plain one, same errors against the
-    fp32 reference: scripts/bench_gdn.py --compile). Returns the number of compiled modules."""
+    fp32 reference: scripts/bench_gdn.py --compile; GRPO_GDN_COMPILE=0 leaves them eager, to compare). Returns the
+    number of compiled modules."""
+    import os
     import sys
 
     from grpo.distributed import decoder_layers
     from grpo.gdn import compile_chunk_regions, is_gdn_layer
 
     compiled = 0
-    if any(is_gdn_layer(m) for m in model.modules()):
+    if any(is_gdn_layer(m) for m in model.modules()) and os.environ.get("GRPO_GDN_COMPILE", "1") != "0":
         compile_chunk_regions()
         compiled += 2
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
