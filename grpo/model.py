@@ -104,8 +104,11 @@ def compile_layer_regions(model) -> int:
     micro-batch, static shapes would recompile each time. With Gated DeltaNet layers, the torch GDN kernel's
     state-free regions are compiled too (`grpo.gdn.compile_chunk_regions`; measured on one H200, Qwen3.5-2B GDN
     shapes: fwd+bwd 34.3 -> 27.8 ms per layer on a tree row, 16.5 -> 12.5 on a plain one, same errors against the
-    fp32 reference: scripts/bench_gdn.py --compile; GRPO_GDN_COMPILE=0 leaves them eager, to compare). Returns the
-    number of compiled modules."""
+    fp32 reference: scripts/bench_gdn.py --compile) when GRPO_GDN_COMPILE=1: off by default, because in the first
+    GPU run with them on (Qwen3.5-tiny against vLLM, 2026-12-02) the trainer had not finished its first step two
+    minutes after its memory probe (each region compiles again for the first rows of 2+ segments and for new ranks;
+    on CPU one such compile takes ~70 s), and their gain in the whole step is not measured yet. Returns the number
+    of compiled modules."""
     import os
     import sys
 
@@ -113,7 +116,7 @@ def compile_layer_regions(model) -> int:
     from grpo.gdn import compile_chunk_regions, is_gdn_layer
 
     compiled = 0
-    if any(is_gdn_layer(m) for m in model.modules()) and os.environ.get("GRPO_GDN_COMPILE", "1") != "0":
+    if any(is_gdn_layer(m) for m in model.modules()) and os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
         compile_chunk_regions()
         compiled += 2
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
