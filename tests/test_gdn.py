@@ -604,10 +604,10 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, exp
 
 
 
-def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models):
-    """compile_layer_regions on a GDN model swaps in torch.compile'd state-free regions of the torch kernel (their
-    values and gradients against the eager kernel: scripts/bench_gdn.py --compile on a GPU; compiling them here
-    takes minutes of CPU), and only on a GDN model."""
+def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monkeypatch):
+    """With GRPO_GDN_COMPILE=1, compile_layer_regions on a GDN model swaps in torch.compile'd state-free regions of
+    the torch kernel (their values and gradients against the eager kernel: scripts/bench_gdn.py --compile on a GPU;
+    compiling them here takes minutes of CPU), and only on a GDN model; without it they stay eager."""
     import sys
 
     import grpo.gdn_kernel as gdn
@@ -619,6 +619,10 @@ def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models):
                 if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")}
     ropes = {module: module.apply_rotary_pos_emb for module in modeling}  # compile_layer_regions swaps these too
     try:
+        monkeypatch.delenv("GRPO_GDN_COMPILE", raising=False)
+        compile_layer_regions(models["qwen3_5"])
+        assert (gdn._chunk_prepare, gdn._chunk_output) == eager
+        monkeypatch.setenv("GRPO_GDN_COMPILE", "1")
         compile_layer_regions(models["qwen3"])
         assert (gdn._chunk_prepare, gdn._chunk_output) == eager
         compile_layer_regions(models["qwen3_5"])
