@@ -11,7 +11,7 @@ are kept (delete a run directory to redo it); `--report-only` rebuilds the table
 directories; `--dry-run` prints every run's command and starts nothing. With held-out evaluation in the runs
 (`--set eval_dataset=held_out.jsonl eval_steps=10`) the table has each run's final eval/reward, eval/pass@k and
 eval/mean@k beside the training reward. Output: OUT/ablation.md, OUT/ablation.csv, OUT/reward.png,
-OUT/sampling.png, OUT/entropy.png.
+OUT/sampling.png, OUT/entropy.png, and OUT/eval.png (held-out pass@k and mean@k vs weight version) with eval.
 """
 
 from __future__ import annotations
@@ -236,6 +236,12 @@ def write_report(args: Args, variants: dict[str, list[list[dict]]]) -> None:
     plot_bands(variants, ("sampling/importance_sampling_ratio/mean", "sampling/masked_mean"),
                args.out / "sampling.png", title, smooth=5)
     plot_bands(variants, ("entropy",), args.out / "entropy.png", title, smooth=5)
+    evals = {label: [[{**r, "step": r["eval/model_version"]} for r in rows if "eval/model_version" in r]
+                     for rows in seeds] for label, seeds in variants.items()}
+    if any(rows for seeds in evals.values() for rows in seeds):  # held-out eval ran: x = the weight version scored
+        plot_bands(evals, ("eval/pass@k", "eval/mean@k"), args.out / "eval.png",
+                   f"held-out eval ({len(args.seeds)} seeds per variant); x: weight version evaluated\n"
+                   f"line: mean over seeds, band: min-max")
     print("\n".join(lines))
 
 
