@@ -111,8 +111,10 @@ def audit_samples(out_dir: Path, resume_point: int) -> dict:
     seen: dict[str, int] = {}
     per_position: dict[int, set[str]] = {}
     sizes: dict[int, int] = {}
+    carried = 0  # samples a resumed run trained from its checkpoint's carried partial groups
     for record in _effective(out_dir / "trained_prompts.jsonl"):
-        for position, key, size, *_ in record.get("samples", []):
+        for position, key, size, *flags in record.get("samples", []):
+            carried += bool(flags and flags[0])
             seen[key] = seen.get(key, 0) + 1
             per_position.setdefault(position, set()).add(key)
             sizes[position] = size
@@ -124,4 +126,4 @@ def audit_samples(out_dir: Path, resume_point: int) -> dict:
                   if p < resume_point and p not in dropped and sizes[p] and len(keys) < sizes[p])
     SCORE["twice"] += len(twice)
     SCORE["lost"] += len(lost)
-    return {"trained": len(seen), "twice": twice, "lost": lost}
+    return {"trained": len(seen), "twice": twice, "lost": lost, "carried": carried}

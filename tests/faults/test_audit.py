@@ -36,7 +36,7 @@ def test_a_carried_rest_trained_after_the_resume_is_exactly_once(tmp_path):
                      step(RUN1, 3, (1, "r3/0", 2, False)),  # rolled back: run b resumed from step 2
                      step(RUN2, 3, (1, "r3/0", 2, True))])
     assert audit(tmp_path, 2)["twice"] == [] and audit(tmp_path, 2)["lost"] == []
-    assert audit_samples(tmp_path, 2) == {"trained": 4, "twice": [], "lost": []}
+    assert audit_samples(tmp_path, 2) == {"trained": 4, "twice": [], "lost": [], "carried": 1}
 
 
 def test_a_group_generated_again_after_the_resume_is_twice(tmp_path):

@@ -199,7 +199,7 @@ def soak(server: SoakServer, tmp: Path, steps: int, schedule, budget_s: float, l
     text = "\n".join(log.read_text() for log in logs)
     line = (f"soak ({label}): steps {steps}, {time.monotonic() - started:.0f} s, faults {dict(done)}, reward errors "
             f"dropped {reasons['reward_error']}; prompts trained {len(prompts['trained'])} (samples "
-            f"{samples['trained']}), dropped {len(prompts['dropped'])} {dict(reasons)}, lost {len(prompts['lost'])}, "
+            f"{samples['trained']}, of them carried across a resume {samples['carried']}), dropped {len(prompts['dropped'])} {dict(reasons)}, lost {len(prompts['lost'])}, "
             f"twice {len(prompts['twice'])}, samples lost {len(samples['lost'])}, samples twice "
             f"{len(samples['twice'])}; longest waits {waits} (over deadline: {len(over)}); rejoin after restart "
             f"{[round(d) for d in delays]} s (interval {INTERVAL_S} s); final model == served: "
