@@ -37,7 +37,8 @@ def _write_run(path, rewards, masked=0.1, evals=None):
 def test_report_table_and_plots(tmp_path):
     args = ablate.Args(variants=("a", "b"), seeds=(0, 1), out=tmp_path, threshold=0.5, window=2)
     _write_run(tmp_path / "runs/a/seed0", [0.1, 0.2, 0.6, 0.6, 0.8, 0.9],
-               evals={3: {"eval/reward": 0.25, "eval/pass@k": 0.5}, 6: {"eval/reward": 0.5, "eval/pass@k": 0.75}})
+               evals={3: {"eval/reward": 0.25, "eval/pass@k": 0.5, "eval/model_version": 3},
+                      6: {"eval/reward": 0.5, "eval/pass@k": 0.75, "eval/model_version": 6}})
     _write_run(tmp_path / "runs/a/seed1", [0.1, 0.1, 0.2, 0.3, 0.4, 0.5])
     _write_run(tmp_path / "runs/b/seed0", [0.1, 0.1, 0.1, 0.1, 0.1, 0.1], masked=0.3)
     ablate.write_report(args, ablate.collect(args))
@@ -53,7 +54,7 @@ def test_report_table_and_plots(tmp_path):
     assert float(rows["a"]["final_eval_reward"]) == pytest.approx(0.5)
     assert math.isnan(float(rows["b"]["final_eval_reward"]))
     assert "| a | 2 |" in (tmp_path / "ablation.md").read_text()
-    for png in ("reward.png", "sampling.png", "entropy.png"):
+    for png in ("reward.png", "sampling.png", "entropy.png", "eval.png"):  # eval.png: a run logged eval/*
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     out = plot_runs({"a0": read_metrics(tmp_path / "runs/a/seed0")}, ("reward", "entropy"), tmp_path / "r.png")
     assert out.read_bytes()[:4] == b"\x89PNG"
