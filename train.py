@@ -27,7 +27,7 @@ log = logging.getLogger("train")
 def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls):
     """CLI names / import paths -> objects, for everything the Python caller did not pass."""
     from grpo.imports import resolve_import
-    from grpo.queue import check_picklable
+    from grpo.rollout_worker import check_picklable
 
     from grpo.data import load_prompts, validate_prompts
     from grpo.rewards import check_reward_columns, resolve_reward
@@ -423,7 +423,8 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
     from grpo.losses import loss_function
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
-    from grpo.queue import RolloutWorker, staleness_allowance
+    from grpo.rollout_worker import RolloutWorker, ServedModel, WorkerStart
+    from grpo.shared_state import LoopOptions
     from grpo.repro import write_repro_bundle
     from grpo.step_plan import plan_step
     from grpo.trackers import COMPLETION_COLUMNS, build_trackers, check_trackers, completion_rows
@@ -469,14 +470,15 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
                            trackers=build_trackers(config) if info.is_main else [])
     if info.is_main:
         write_repro_bundle(config.output_dir, config, info.world_size)
-        worker = RolloutWorker(config, dataset, reward_funcs, tools=tools, environment_factory=environment_factory,
-                               loop_cls=loop_cls, dataset_start_index=state["prompt_index"], model_version=version,
-                               skip_positions=resume_skips(state), carried=state.get("carried", []),
-                               lora_name=adapter and adapter.name,
-                               servers_alive=sync.alive_flags, model_name=facts["served_model"],
-                               eval_dataset=eval_dataset,
-                               token_allowance=staleness_allowance(config.max_staleness, budget * info.world_size
-                                                                   * config.gradient_accumulation_steps))
+        options = LoopOptions(tools=tuple(tools), environment_factory=environment_factory,
+                              lora_name=adapter and adapter.name, dataset_start_index=state["prompt_index"],
+                              skip_positions=frozenset(resume_skips(state)), eval_dataset=eval_dataset)
+        worker = RolloutWorker(config, dataset, reward_funcs, options, loop_cls=loop_cls,
+                               served=ServedModel(name=facts["served_model"]),
+                               start=WorkerStart(model_version=version, servers_alive=tuple(sync.alive_flags),
+                                                 carried=tuple(state.get("carried", []))))
+        # until the first step says what one consumes: a full step of token budgets on every rank
+        worker.set_allowance_from_step(budget * info.world_size * config.gradient_accumulation_steps)
         worker.start()
         sync.alive_flags = worker.servers_alive  # a server either side finds dead leaves both (several servers)
         worker.on_idle = lambda: sync.rejoin_alone(model, worker.model_version)  # no server alive: bring one back

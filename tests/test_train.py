@@ -357,7 +357,7 @@ def test_config_cls_is_taken_out_of_argv():
     cls, rest = config_class(["--max-steps", "3", "--config-cls", "grpo.config:AsyncGRPOConfig", "--seed", "1"])
     assert cls is AsyncGRPOConfig and rest == ["--max-steps", "3", "--seed", "1"]
     with pytest.raises(TypeError, match="not a subclass"):
-        config_class(["--config-cls=grpo.queue:RolloutWorker"])
+        config_class(["--config-cls=grpo.rollout_worker:RolloutWorker"])
 
 
 @pytest.mark.vllm

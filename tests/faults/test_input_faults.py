@@ -19,6 +19,7 @@ from conftest import REPO
 from grpo.config import AsyncGRPOConfig
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.samples import TurnRecord
+from grpo.shared_state import LoopOptions
 
 from .harness import named_error, within
 
@@ -147,7 +148,7 @@ def test_text_parts_are_rendered_as_their_text(tiny_qwen3):
     config = AsyncGRPOConfig(model=str(tiny_qwen3), vllm_server_base_url="http://127.0.0.1:9", num_generations=2)
     groups, RecordsPrompt.rendered = [], []
     loop = RecordsPrompt(config, config.model, dataset, funcs, tokenizer, [tokenizer.eos_token_id],
-                         group_callback=lambda g, adv, kept: groups.append(g))
+                         None, LoopOptions(group_callback=lambda g, adv, kept: groups.append(g)))
     within(60, asyncio.run, loop.run(max_groups=1))
     expected = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
                                               {"role": "user", "content": "What is 3 + 4?"}],
