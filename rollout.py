@@ -76,7 +76,7 @@ def sample(cmd: Sample) -> int:
     from grpo.metrics import MetricsWindow
     from grpo.rollout_loop import AsyncRolloutLoop
     from grpo.shared_state import LoopOptions, SharedState
-    from train import resolve_inputs
+    from grpo.inputs import resolve_inputs
 
     config = cmd.config
     reward_funcs, dataset, tools, env_factory, loop_cls = resolve_inputs(config, None, None, None, None, None)

@@ -101,7 +101,7 @@ async def _eval_group(scheduler, index: int, row: dict[str, Any], version: int):
 
     k = scheduler.config.eval_num_generations
     home = GroupHome(scheduler.pool.pick())
-    group_id = -2 - index  # eval groups never reach the trainer; ids apart from training's (>= 0) and padding (-1)
+    group_id = -2 - index  # eval groups never reach the trainer; ids apart from the trained (>= 0) and padding (-1)
     tasks = []
     for i in range(1 + k):
         server = await scheduler.pool.slot(home)
