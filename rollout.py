@@ -75,7 +75,8 @@ def sample(cmd: Sample) -> int:
 
     from grpo.metrics import MetricsWindow
     from grpo.rollout_loop import AsyncRolloutLoop
-    from train import resolve_inputs
+    from grpo.shared_state import LoopOptions, SharedState
+    from grpo.inputs import resolve_inputs
 
     config = cmd.config
     reward_funcs, dataset, tools, env_factory, loop_cls = resolve_inputs(config, None, None, None, None, None)
@@ -90,10 +91,10 @@ def sample(cmd: Sample) -> int:
             lengths.extend(len(ids) for ids in group.completions_ids)
             kept_flags.append(kept)
 
-        loop = (loop_cls or AsyncRolloutLoop)(
-            config, config.model, dataset, reward_funcs, tokenizer, [tokenizer.eos_token_id],
-            model_version_value=SimpleNamespace(value=cmd.model_version), metrics_queue=metrics, tools=tools,
-            environment_factory=env_factory, score_queue_maxsize=config.score_queue_maxsize, group_callback=on_group)
+        shared = SharedState(metrics=metrics, model_version=SimpleNamespace(value=cmd.model_version))
+        options = LoopOptions(tools=tuple(tools), environment_factory=env_factory, group_callback=on_group)
+        loop = (loop_cls or AsyncRolloutLoop)(config, config.model, dataset, reward_funcs, tokenizer,
+                                              [tokenizer.eos_token_id], shared, options)
         start = time.perf_counter()
         asyncio.run(loop.run(max_groups=cmd.num_prompts))
         wall = time.perf_counter() - start

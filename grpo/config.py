@@ -297,3 +297,25 @@ class AsyncGRPOConfig:
     def epoch_prompts(self, dataset_len: int) -> int:
         """Groups consumed before the epoch-based stop."""
         return math.ceil(self.num_train_epochs * dataset_len)
+
+
+def config_class(argv: list[str]) -> tuple[type, list[str]]:
+    """`--config-cls pkg.module:MyConfig` (anywhere in argv) -> the class, and argv without it."""
+    from grpo.imports import resolve_import
+
+    if "--config-cls" not in argv and not any(a.startswith("--config-cls=") for a in argv):
+        return AsyncGRPOConfig, argv
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--config-cls" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--config-cls="):
+            path = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    cls = resolve_import(path or "")
+    if not (isinstance(cls, type) and issubclass(cls, AsyncGRPOConfig)):
+        raise TypeError(f"--config-cls {path!r} is not a subclass of AsyncGRPOConfig")
+    return cls, rest

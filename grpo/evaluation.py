@@ -59,14 +59,15 @@ def eval_metrics(greedy: list[float], sampled: list[list[float]], lengths: list[
 
 async def run_eval_forever(scheduler) -> None:
     """Worker task: evaluate each version the trainer asks for, newest first; report it done."""
-    request, done = scheduler.eval_request_value, scheduler.eval_done_value
+    shared = scheduler.shared
+    request, done = shared.eval_request, shared.eval_done
     while True:
         await asyncio.sleep(EVAL_POLL_S)
         version = int(request.value)
         if version <= int(done.value):
             continue
-        if scheduler.eval_started_value is not None:
-            scheduler.eval_started_value.value = version  # a later request now supersedes nothing unstarted
+        if shared.eval_started is not None:
+            shared.eval_started.value = version  # a later request now supersedes nothing unstarted
         metrics = await evaluate(scheduler, version)
         scheduler._metric_items += list(metrics.items())
         scheduler._flush_metrics()
@@ -100,7 +101,7 @@ async def _eval_group(scheduler, index: int, row: dict[str, Any], version: int):
 
     k = scheduler.config.eval_num_generations
     home = GroupHome(scheduler.pool.pick())
-    group_id = -2 - index  # eval groups never reach the trainer; ids apart from training's (>= 0) and padding (-1)
+    group_id = -2 - index  # eval groups never reach the trainer; ids apart from the trained (>= 0) and padding (-1)
     tasks = []
     for i in range(1 + k):
         server = await scheduler.pool.slot(home)

@@ -1,4 +1,5 @@
-"""The trainable policy as one module: packed row in, per-loss-term log-probs out.
+"""The trainable policy as one module: packed row in, per-loss-term log-probs out; and how a run builds it
+(`build_policy`: load, PEFT, sharding, precision, gradient checkpointing, the optimizer and its schedule).
 
 Wrapping the Hugging Face model this way keeps FSDP2 correct without special cases: the decoder layers are
 sharded one by one and this wrapper is the FSDP root, so the root group's parameters (embeddings, final norm,
@@ -8,12 +9,17 @@ weight directly (it never builds the full [tokens x vocab] logits, so it cannot 
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
+from grpo.config import AsyncGRPOConfig
 from grpo.logprobs import policy_token_logprobs
 from grpo.tree_attention import forward_decoder, lm_head_weight
+
+log = logging.getLogger("train")
 
 
 @dataclass
@@ -52,3 +58,75 @@ class PackedPolicy(torch.nn.Module):
 
         text = getattr(self.model.config, "text_config", None) or self.model.config
         return load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok)
+
+
+def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=None):
+    """(model, policy, optimizer, scheduler, autocast): the training side of the run, built the same way for
+    train.py and the benches. `model` is the PEFT model when `peft_config` (or `--lora-r`) is given.
+
+    Precision: fp32 master weights (`--dtype float32`) with bf16 compute on CUDA go through FSDP2's mixed
+    precision also on one GPU (grpo/distributed.py says why), so no autocast is needed; autocast remains only
+    for a bf16 request the sharding cannot serve (bf16 on fp16 weights)."""
+    import contextlib
+
+    from grpo.distributed import hsdp_replicas, shard_model
+    from grpo.gdn import patch_gdn_layers
+    from grpo.lora import packed_forward_module, peft_config_from_run, wrap_policy
+    from grpo.memory import checkpointing_fraction, probe_samples
+    from grpo.model import (aux_loss_coef, compile_layer_regions, load_policy, set_gradient_checkpointing,
+                            trainable_parameters)
+    from grpo.tree_attention import select_backend
+    from grpo.trie import pack_samples
+
+    model = load_policy(config.model, config.dtype, config.trust_remote_code, False,
+                        config.router_aux_loss_coef).to(info.device)
+    if (peft_config := peft_config or peft_config_from_run(config)) is not None:
+        model = wrap_policy(model, peft_config)
+    patch_gdn_layers(model, config.gdn_kernel)
+    bf16 = config.bf16 if config.bf16 is not None else info.device.type == "cuda"
+    mixed_precision = bf16 and config.dtype == "float32"
+    compile_layers = config.compile_layers if config.compile_layers is not None else info.device.type == "cuda"
+    if compile_layers:
+        log.info("torch.compile: %d decoder regions (norms, MLPs, rotary) and the log-prob head's softmax passes",
+                 compile_layer_regions(model))
+    cuda = info.device.type == "cuda"  # keep the head's forward logits for its backward: <= 4 GiB, counted by the probe
+    policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
+                          config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef),
+                          keep_logits_bytes=(4 << 30) if cuda else 0, fused_head=compile_layers)
+    policy = shard_model(policy, info, mixed_precision=mixed_precision,
+                         replicas=hsdp_replicas(config.hsdp_replicas, info))
+    autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))
+                if bf16 and not mixed_precision and config.dtype != "bfloat16" else contextlib.nullcontext)
+
+    def run_probe():  # one worst-case micro-batch through the real policy; its gradients are dropped
+        row = pack_samples(probe_samples(token_budget, model.config.get_text_config().vocab_size)).to(info.device)
+        with autocast():
+            out = policy(row)
+        out.policy_logprobs.float().sum().backward()
+        for p in policy.parameters():
+            p.grad = None
+
+    fraction = checkpointing_fraction(config.gradient_checkpointing, policy, model, info, token_budget, run_probe)
+    set_gradient_checkpointing(packed_forward_module(model), fraction)
+    optimizer, scheduler = build_optimizer(trainable_parameters(policy), config)
+    return model, policy, optimizer, scheduler, autocast
+
+
+def build_optimizer(params, config: AsyncGRPOConfig):
+    """AdamW (fused on CUDA) and its LambdaLR schedule: warmup, then constant, linear or cosine over max_steps."""
+    fused = torch.cuda.is_available()
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  eps=config.adam_epsilon, weight_decay=config.weight_decay, fused=fused)
+    if config.lr_scheduler_type != "constant" and config.max_steps <= 0:
+        raise ValueError(f"lr_scheduler_type={config.lr_scheduler_type!r} decays over max_steps, which is unknown "
+                         "when training by epochs: set --max-steps too")
+
+    def factor(step: int) -> float:
+        if config.warmup_steps and step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.lr_scheduler_type == "constant":
+            return 1.0
+        progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+        return 1.0 - progress if config.lr_scheduler_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -16,8 +16,8 @@ log = logging.getLogger("grpo.rejoin")
 def probe_server(url: str, expected: dict, check_model: Callable[[str, str, dict], None] | None = None,
                  timeout: float = 10.0) -> str | None:
     """None when the server at `url` can serve this run again; else why not (one line). `expected` holds the
-    run's max_model_len and dtype (train.server_facts); `check_model(url, served, server_info)` raises ValueError
-    for a server that serves another model (train.check_served_model)."""
+    run's max_model_len and dtype (grpo/server_facts.py); `check_model(url, served, server_info)` raises ValueError
+    for a server that serves another model (`check_served_model`, grpo/server_facts.py)."""
     from grpo.vllm_client import ServerFacts, VLLMControl
 
     try:

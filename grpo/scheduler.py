@@ -30,6 +30,7 @@ from grpo.multiturn import FoldStats, fold_turns
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
 from grpo.scoring import RewardFunctionError, group_metrics, is_kept, rollout_metrics, score_group
 from grpo.server_pool import GroupHome, NoServerLeftError, Server, ServerPool
+from grpo.shared_state import LoopOptions, SharedState
 from grpo.tools import EnvironmentPool, call_tool, environment_tools, in_pool, tool_schema, with_env_prompt
 
 log = logging.getLogger("grpo.rollout")
@@ -71,38 +72,26 @@ def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool 
 class RolloutScheduler:
     metrics_poll_s: float = 5.0
     """Seconds between `/metrics` polls (spec: 5 s). Tests lower it in a subclass."""
-    skip_positions: frozenset[int] = frozenset()
-    """Prompt positions a resumed run must not draw again (consumed before the checkpoint)."""
-    eval_dataset = None
-    """Held-out prompts; with the two shared values below the worker runs evaluations (grpo/evaluation.py)."""
-    eval_request_value = eval_started_value = eval_done_value = None
 
     def __init__(self, config: AsyncGRPOConfig, model_name: str, dataset, reward_funcs: list[Callable],
-                 processing_class, eos_token_ids: list[int], rollout_buffer=None, model_version_value=None,
-                 token_allowance=None, heartbeat_value=None, failed_event=None, exception_info_queue=None,
-                 metrics_queue=None, tools: list[Callable] | None = None,
-                 environment_factory: Callable | dict[str, Callable] | None = None, score_queue_maxsize: int = 16,
-                 lora_name: str | None = None, dataset_start_index: int = 0, queued_tokens_value=None,
-                 stop_event=None, group_callback: Callable[[RolloutGroup, np.ndarray, bool], None] | None = None,
-                 client=None, servers_alive=None):
+                 processing_class, eos_token_ids: list[int], shared: SharedState | None = None,
+                 options: LoopOptions | None = None):
+        options = options or LoopOptions()
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs = list(reward_funcs or [])
         self.tokenizer = processing_class
         self.eos_token_ids = set(eos_token_ids)
-        self.rollout_buffer, self.metrics_queue = rollout_buffer, metrics_queue
-        self.model_version_value, self.heartbeat_value = model_version_value, heartbeat_value
-        self.failed_event, self.exception_info_queue = failed_event, exception_info_queue
-        self.tools = list(tools or [])
-        self.environment_factory = environment_factory
-        self.score_queue_maxsize, self.lora_name = score_queue_maxsize, lora_name
-        self.dataset_start_index, self.stop_event = dataset_start_index, stop_event
-        self.group_callback = group_callback
-        self.allowance = TokenAllowance(token_allowance, queued_tokens_value)
-        self._client_arg = client  # ready client(s) (tests); else one per URL, built in run()
-        self.servers_alive = servers_alive
+        self.shared = shared or SharedState()
+        self.tools = list(options.tools or [])
+        self.environment_factory = options.environment_factory
+        self.lora_name, self.dataset_start_index = options.lora_name, options.dataset_start_index
+        self.skip_positions, self.eval_dataset = frozenset(options.skip_positions), options.eval_dataset
+        self.group_callback = options.group_callback
+        self.allowance = TokenAllowance(self.shared.token_allowance, self.shared.queued_tokens)
+        self._client_arg = options.client  # ready client(s) (tests); else one per URL, built in run()
         self.pool: ServerPool | None = None
         self._metric_items: list[tuple[str, Any]] = []
-        self._envs = EnvironmentPool(environment_factory)
+        self._envs = EnvironmentPool(options.environment_factory)
         self._schema_cache: dict[int, dict] = {}
         self._generated_tokens = 0
         self._nonfinite_seen: dict[str, int] = {}  # reward source -> NaN/±inf values so far (warned once each)
@@ -250,7 +239,7 @@ class RolloutScheduler:
         for _ in range(self.config.num_generations):
             server = await self.pool.slot(home)
             if version is None:
-                version = int(self.model_version_value.value) if self.model_version_value is not None else 0
+                version = int(self.shared.model_version.value) if self.shared.model_version is not None else 0
             tasks.append(tg.create_task(self._rollout_slot(row, group_id, version, home, server)))
         tg.create_task(self._collect_group(tasks, group_id, row_index, row, version))
 
@@ -302,8 +291,7 @@ class RolloutScheduler:
                     row_index, len(failed), len(results), first, self._reset_drops, self.config.env_reset_retries,
                     exc_info=first.cause if self._reset_drops == 1 else None)
         self.allowance.group_finished(sum(len(s) for r in results for s in r.samples))
-        if self.rollout_buffer is not None:
-            self.rollout_buffer.put(ConsumedGroup(group_id, "env_reset_failed"))
+        self.shared.put_sample(ConsumedGroup(group_id, "env_reset_failed"))
         self._flush_metrics()
 
     def _drop_reward_error(self, group: RolloutGroup, exc: RewardFunctionError) -> None:
@@ -315,8 +303,7 @@ class RolloutScheduler:
                     self.dataset_start_index + group.group_id, exc, self._reward_error_drops,
                     exc_info=exc.cause if self._reward_error_drops == 1 else None)
         self.allowance.group_finished(sum(len(s) for seq in group.completions_sequences for s in seq))
-        if self.rollout_buffer is not None:
-            self.rollout_buffer.put(ConsumedGroup(group.group_id, "reward_error"))
+        self.shared.put_sample(ConsumedGroup(group.group_id, "reward_error"))
         self._score_queue.task_done()
         self._flush_metrics()
 
@@ -359,8 +346,8 @@ class RolloutScheduler:
             self.allowance.group_finished(sum(len(s) for s in samples))
             if kept:
                 self._publish(group, advantages)
-            elif self.rollout_buffer is not None:
-                self.rollout_buffer.put(ConsumedGroup(group.group_id, reason))
+            else:
+                self.shared.put_sample(ConsumedGroup(group.group_id, reason))
             if self.group_callback is not None:
                 self.group_callback(group, advantages, kept)
             self._score_queue.task_done()
@@ -376,8 +363,7 @@ class RolloutScheduler:
                 sample.reward = float(group.rewards[i])
                 sample.queued_at, sample.group_size = time.monotonic(), group_size
                 tokens += len(sample)
-                if self.rollout_buffer is not None:
-                    self.rollout_buffer.put(sample)
+                self.shared.put_sample(sample)
         self.allowance.queued(tokens)
 
     # ================================ scheduling ==============================================================
@@ -386,12 +372,12 @@ class RolloutScheduler:
         self._metric_items.append((name, value))
 
     def _flush_metrics(self) -> None:
-        if self.metrics_queue is not None and self._metric_items:
-            self.metrics_queue.put(self._metric_items)
+        if self.shared.metrics is not None and self._metric_items:
+            self.shared.metrics.put(self._metric_items)
             self._metric_items = []
 
     def _stopping(self) -> bool:
-        return self.stop_event is not None and self.stop_event.is_set()
+        return self.shared.stop is not None and self.shared.stop.is_set()
 
     async def _poll_forever(self) -> None:
         """Per-server adaptive caps + server gauges every `metrics_poll_s`; also the generation-rate pair."""
@@ -419,8 +405,7 @@ class RolloutScheduler:
 
     async def _heartbeat_forever(self) -> None:
         while True:
-            if self.heartbeat_value is not None:
-                self.heartbeat_value.value = time.time()
+            self.shared.beat()
             await asyncio.sleep(1.0)
 
     async def _wait_to_start_group(self) -> None:
@@ -464,8 +449,8 @@ class RolloutScheduler:
                 if self._stopping():
                     break
                 await self._start_group(tg, group_id, row_index, row)
-            elif self.rollout_buffer is not None:
-                self.rollout_buffer.put(ConsumedGroup(group_id, "filtered"))
+            else:
+                self.shared.put_sample(ConsumedGroup(group_id, "filtered"))
             await asyncio.sleep(0)
             group_id += 1
             prompt_index += 1
@@ -474,7 +459,7 @@ class RolloutScheduler:
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(self._heartbeat_forever()), tg.create_task(self._poll_forever()),
                           tg.create_task(self._score_forever())]
-            if self.eval_dataset is not None and self.eval_request_value is not None:
+            if self.eval_dataset is not None and self.shared.eval_request is not None:
                 from grpo.evaluation import run_eval_forever
 
                 background.append(tg.create_task(run_eval_forever(self)))
@@ -490,10 +475,9 @@ class RolloutScheduler:
         self.pool = self._build_pool()
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_concurrent_rollouts * len(self.pool),
                                         thread_name_prefix="rollout-tool")
-        self._score_queue: asyncio.Queue[RolloutGroup] = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        self._score_queue: asyncio.Queue[RolloutGroup] = asyncio.Queue(maxsize=self.config.score_queue_maxsize)
         try:
-            if self.heartbeat_value is not None:
-                self.heartbeat_value.value = time.time()
+            self.shared.beat()
             await self.setup()
             for server in self.pool.servers:
                 first = await server.client.metrics()
@@ -527,7 +511,7 @@ class RolloutScheduler:
             urls = list(cfg.vllm_server_urls)
             clients = [VLLMClient(url, self.model_name, timeout=cfg.vllm_server_timeout,
                                   fail_fast_on_refused=len(urls) > 1) for url in urls]
-        return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.servers_alive,
+        return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.shared.servers_alive,
                           rejoin_wait_s=cfg.server_rejoin_wait_s, progress_every=cfg.progress_interval_s)
 
 

@@ -1,5 +1,5 @@
 """Trainer scaling over ranks: trained tokens/s per GPU with tree packing, FSDP2, the real token-budget batcher and
-the real training step (train.train_micro_batch), fed by a synthetic sample source (groups sharing a prompt, as
+the real training step (grpo/step.py `train_micro_batch`), fed by a synthetic sample source (groups sharing a prompt, as
 the rollout worker would deliver them). Random weights, public Qwen3 shapes, no download, no vLLM needed.
 
     python scripts/bench_scaling.py --ranks 1 2 4 --shape Qwen3-1.7B     # one torchrun per rank count, one table
@@ -58,7 +58,7 @@ def run_rank(args) -> None:
     from grpo.policy import PackedPolicy
     from grpo.tree_attention import select_backend
     from bench_step import next_plan
-    from train import train_micro_batch
+    import grpo.step
 
     info = init_distributed()
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def run_rank(args) -> None:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
         plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
-        train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, loss_cfg, info.world_size, 1, autocast)
+        grpo.step.train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, loss_cfg, info.world_size, 1, autocast)
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

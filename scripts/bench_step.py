@@ -5,12 +5,13 @@
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
 
 Nothing here re-implements the step: the model is written to disk (random weights at a public shape) and loaded by
-`train.build_policy` (from_pretrained, dropout off, regional compile, FSDP2 mixed precision, gradient-checkpointing
-policy, fused AdamW), micro-batches come from the real `TokenBudgetBatcher` fed with synthetic groups, and each
-step is `train.train_micro_batch` + `train.optimizer_step` with the run's default loss. Workloads (bench_packing's):
-groups of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4` shares each group's prompt (trie
-packing ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to share). Mode `plain` packs the
-same samples without prefix sharing (the baseline the trie is measured against; a bench-only switch).
+`build_policy` in grpo/policy.py (from_pretrained, dropout off, regional compile, FSDP2 mixed precision,
+gradient-checkpointing policy, fused AdamW), micro-batches come from the real `TokenBudgetBatcher` fed with
+synthetic groups, and each step is `train_micro_batch` + `optimizer_step` (grpo/step.py) with the run's default
+loss. Workloads (bench_packing's): groups of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4`
+shares each group's prompt (trie packing ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to
+share). Mode `plain` packs the same samples without prefix sharing (the baseline the trie is measured against; a
+bench-only switch).
 
 Columns: trained tok/s (completion tokens trained per second: the comparable number across modes), forwarded
 tok/s, MFU (grpo/flops.py: causal attention, head on trained tokens only, peak 989 TFLOP/s bf16), peak GiB, and
@@ -114,8 +115,8 @@ def synthetic_groups(vocab: int, shared: bool, top_k: int, group_size=8, prompt_
 
 
 def next_plan(batcher, source):
-    """Rank 0: feed samples to the real batcher until it closes a micro-batch (train.plan_micro_batch's job)."""
-    from train import StepPlan
+    """Rank 0: feed samples to the real batcher until it closes a micro-batch (`plan_micro_batch`'s job)."""
+    from grpo.step_plan import StepPlan
 
     while (rows := batcher.add(next(source))) is None:
         pass
@@ -170,7 +171,9 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
     from grpo.distributed import broadcast_object
     from grpo.flops import device_peak_flops, mfu, training_flops
     from grpo.losses import loss_function
-    from train import build_policy, optimizer_step, policy_module, resolve_metrics, train_micro_batch
+    from grpo.policy import build_policy
+    from grpo.step import optimizer_step, policy_module, train_micro_batch
+    from grpo.step_metrics import resolve_metrics
 
     config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=args.token_budget),
                                  **overrides)
@@ -288,7 +291,7 @@ def print_copy_sites(profiler, sort: str, top: int = 12) -> None:
 
 
 def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int = 0) -> dict:
-    """The fast path's tree-packed log-probs (train.build_policy, no grad) against per-sample forwards of an fp32
+    """The fast path's tree-packed log-probs (`build_policy`, no grad) against per-sample forwards of an fp32
     eager copy of the same checkpoint (transformers' torch GDN path even where fla is installed) (4 rollouts sharing a 300-token prompt, 60-token completions), next to the
     error an eager bf16 per-sample forward makes against the same fp32 reference: bf16 tolerance, measured."""
     import torch
@@ -297,7 +300,7 @@ def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int =
     from grpo.gdn import transformers_torch_reference
     from grpo.model import load_policy
     from grpo.trie import pack_samples
-    from train import build_policy
+    from grpo.policy import build_policy
 
     config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=2048), **overrides)
     _, policy, *_ = build_policy(config, info, 2048)

@@ -50,7 +50,7 @@ def model_logprobs(path, ids: list[int], dtype=torch.float32) -> torch.Tensor:
 
 def tree_check(url: str, model_dir: Path, seed: int = 0) -> tuple[bool, str]:
     """The server's processed log-probs of 4 sequences sharing a 48-token prompt against the trainer's own
-    tree-packed forward of the same weights (train.build_policy: FSDP2 bf16, compiled layers, the GDN tree path),
+    tree-packed forward of the same weights (`build_policy`: FSDP2 bf16, compiled layers, the GDN tree path),
     with the bf16-vs-fp32 gap of an eager per-sample forward as the tolerance floor."""
     import dataclasses
     import random
@@ -59,7 +59,7 @@ def tree_check(url: str, model_dir: Path, seed: int = 0) -> tuple[bool, str]:
     from grpo.distributed import init_distributed
     from grpo.samples import TrainingSample
     from grpo.trie import pack_samples
-    from train import build_policy
+    from grpo.policy import build_policy
 
     rng = random.Random(seed)
     prompt = [rng.randrange(1000, 100_000) for _ in range(48)]

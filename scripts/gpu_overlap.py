@@ -7,9 +7,9 @@ One "step" is what train.py trains per optimizer step: the rollouts that fill `-
 `--token-budget` tokens (the real `TokenBudgetBatcher` closes them), groups of `--generations` rollouts sharing a
 `--prompt-len`-token prompt. G = seconds of generation per step: `--in-flight` steps' rollouts are requested at
 once (the async worker keeps max_staleness steps in flight; `ignore_eos`, so every completion has exactly its
-planned length) and the wall time is divided by that count. T = `train.train_micro_batch` per micro-batch +
-`train.optimizer_step` on the same samples (train.build_policy: the run's model, precision, compile and
-checkpointing). Phases, one process:
+planned length) and the wall time is divided by that count. T = `train_micro_batch` per micro-batch +
+`optimizer_step` on the same samples (grpo/step.py; `build_policy`, grpo/policy.py: the run's model, precision,
+compile and checkpointing). Phases, one process:
 G alone, T alone, then both loops at once (G_c, T_c: only repetitions that finished while the other loop was
 still running count). The first `--warmup` repetitions of every phase are reported apart (compile, CUDA graphs of
 new batch sizes). L = (G + T) / max(G, T) is what perfect overlap could gain; L_c = (G + T) / max(G_c, T_c) what
@@ -157,7 +157,9 @@ def main() -> None:
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import init_distributed
     from grpo.losses import loss_function
-    from train import build_policy, optimizer_step, resolve_metrics, train_micro_batch
+    from grpo.policy import build_policy
+    from grpo.step import optimizer_step, train_micro_batch
+    from grpo.step_metrics import resolve_metrics
 
     budget = args.token_budget or int(httpx.get(f"{args.server}/v1/models", timeout=30).json()["data"][0][
         "max_model_len"])

@@ -32,7 +32,7 @@ def one_step(policy, optimizer, scheduler, info, samples, autocast) -> dict:
     """Rows split over ranks by group (as the batcher would), forward/backward, clip + AdamW step."""
     from grpo.losses import get_loss
     from grpo.step_plan import StepPlan
-    from train import optimizer_step, train_micro_batch
+    from grpo.step import optimizer_step, train_micro_batch
 
     rows = [[s for s in samples if s.group_id % info.world_size == r] for r in range(info.world_size)]
     plan = StepPlan(rows, sum(s.num_trained for s in samples))
@@ -46,7 +46,7 @@ def run(model_dir: str, out_dir: Path, sharding: str, info, resume: str | None =
     from grpo import checkpoint as ckpt
     from grpo.config import AsyncGRPOConfig
     from grpo.weight_sync import build_plan
-    from train import build_policy
+    from grpo.policy import build_policy
 
     # Adam moves a weight by ~lr x g / (|g| + eps): reduction-order noise (~1e-9) on a gradient near eps would
     # move it by ~lr x 10%; eps = 1e-6 keeps that at ~1e-7, so parameters are comparable at 1e-6 too

@@ -138,7 +138,7 @@ def test_every_doc_pointer_resolves():
     ("the test tests/test_trie.py::test_that_does_not_exist", "not defined there"),
     ("the map in [the design](no_such_doc.md)", "does not resolve"),
     ("the staleness rule (docs/design.md §99)", "§99 is not a section"),
-    ("*Code: `NoSuchClass.get` in `grpo/queue.py`.*", "`NoSuchClass.get` is not defined in grpo/queue.py"),
+    ("*Code: `NoSuchClass.get` in `grpo/rollout_worker.py`.*", "`NoSuchClass.get` is not defined in grpo/rollout_worker.py"),
     ("*Code: `grpo/trie.py` (`pack_samples`, `no_such_packer`).*", "`no_such_packer` is not defined"),
     ("[normalisers](losses.md#no-such-heading)", "no heading of losses.md has the anchor"),
 ])

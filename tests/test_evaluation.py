@@ -53,17 +53,15 @@ def test_eval_groups_run_beside_training_and_are_never_trained(vllm_server, tiny
     eval_rows = [{"prompt": [{"role": "user", "content": f"count to {i}"}]} for i in range(3)]
     ctx = multiprocessing.get_context("spawn")
     samples, metrics = queue.Queue(), queue.Queue()
-    loop = make_loop(CountingLoop, config, train_rows, [first_token_even], tokenizer, rollout_buffer=samples,
-                     metrics_queue=metrics, model_version_value=ctx.Value("q", 5))
+    loop = make_loop(CountingLoop, config, train_rows, [first_token_even], tokenizer, samples=samples,
+                     metrics=metrics, model_version=ctx.Value("q", 5), eval_request=ctx.Value("q", 5),
+                     eval_done=ctx.Value("q", 0), stop=ctx.Event(), eval_dataset=eval_rows)
     loop.requests = []
-    loop.eval_dataset, loop.eval_request_value, loop.eval_done_value = eval_rows, ctx.Value("q", 5), ctx.Value("q", 0)
-
-    loop.stop_event = ctx.Event()
 
     def stop_after_eval():  # the eval of version 5 was requested before the start; training runs until it is done
-        while loop.eval_done_value.value < 5:
+        while loop.shared.eval_done.value < 5:
             time.sleep(0.1)
-        loop.stop_event.set()
+        loop.shared.stop.set()
 
     threading.Thread(target=stop_after_eval, daemon=True).start()
     asyncio.run(loop.run(max_groups=None))
@@ -83,13 +81,13 @@ def test_eval_groups_run_beside_training_and_are_never_trained(vllm_server, tiny
 
 def test_a_request_superseded_before_it_started_is_counted_as_skipped():
     from grpo.config import AsyncGRPOConfig
-    from grpo.queue import RolloutWorker
+    from grpo.rollout_worker import RolloutWorker
 
     worker = RolloutWorker(AsyncGRPOConfig(), dataset=[])
     worker.request_eval(3)
     worker.request_eval(5)  # the worker never started version 3
-    worker.shared["eval_started"].value = 5
+    worker.shared.eval_started.value = 5
     worker.request_eval(7)  # 5 is running: it is not skipped, 7 waits for it
     worker.request_eval(7)  # the same request again (the final eval after an eval step) skips nothing
     assert worker.drain_metrics().count(("eval/skipped_count", 1)) == 1
-    assert worker.shared["eval_request"].value == 7
+    assert worker.shared.eval_request.value == 7

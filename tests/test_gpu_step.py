@@ -1,5 +1,5 @@
-"""The fast GPU step (train.build_policy: FSDP2 bf16 mixed precision on one GPU, compiled norms/MLP/rotary, bf16
-LM head) computes the same log-probs as per-sample forwards of an eager bf16 model, for dense and Gated DeltaNet
+"""The fast GPU step (`build_policy`: FSDP2 bf16 mixed precision on one GPU, compiled norms/MLP/rotary, bf16 LM
+head) computes the same log-probs as per-sample forwards of an eager bf16 model, for dense and Gated DeltaNet
 layers; and one real optimizer step runs with every piece on. Skipped without CUDA (`pytest -m gpu`)."""
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ def test_fast_step_trains(tiny_models):
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import decoder_layers, init_distributed
     from grpo.losses import loss_function
-    from train import StepPlan, build_policy, optimizer_step, resolve_metrics, train_micro_batch
+    from grpo.policy import build_policy
+    from grpo.step import optimizer_step, train_micro_batch
+    from grpo.step_metrics import resolve_metrics
+    from grpo.step_plan import StepPlan
 
     info = init_distributed()
     config = dataclasses.replace(AsyncGRPOConfig(model=str(tiny_models["qwen3"]), token_budget=4096),

@@ -362,7 +362,7 @@ def test_ipc_errors_name_the_fix():
 def test_ipc_bucket_size_is_a_run_option(fake_ipc):
     """--ipc-bucket-mb reaches the sender: 1 MiB buckets on a model of a few MiB send several buckets, 64 MiB one."""
     from grpo.config import AsyncGRPOConfig
-    from train import sync_config
+    from grpo.server_facts import sync_config
 
     with pytest.raises(ValueError, match="ipc_bucket_mb"):
         AsyncGRPOConfig(model="m", ipc_bucket_mb=0)

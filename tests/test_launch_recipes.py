@@ -47,7 +47,7 @@ def parse_serve(argv: list[str]):
 def parse_train(argv: list[str]):
     import tyro
     from torch.distributed.run import get_args_parser
-    from train import config_class
+    from grpo.config import config_class
 
     torchrun = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1:])
     assert torchrun.training_script == "train.py"

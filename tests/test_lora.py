@@ -272,6 +272,7 @@ def test_adapter_sync_versions_rollouts_and_pruning(lora_server, tiny_qwen3, tmp
     from grpo.losses import registered_losses
     from grpo.model import load_tokenizer
     from grpo.rollout_loop import AsyncRolloutLoop, _model_version
+    from grpo.shared_state import LoopOptions
     from grpo.vllm_client import VLLMClient
 
     model = peft_model(tiny_qwen3, 10)
@@ -280,8 +281,9 @@ def test_adapter_sync_versions_rollouts_and_pruning(lora_server, tiny_qwen3, tmp
     sync.init(model)
     base_before = server_prompt_logprobs(lora_server.base_url, str(tiny_qwen3), TOKENS)
     config = AsyncGRPOConfig(max_completion_length=6, loss=registered_losses()["clipped_surrogate"])  # no top-k
-    loop = AsyncRolloutLoop(config, str(tiny_qwen3), [], [], load_tokenizer(str(tiny_qwen3)), [2], lora_name="t",
-                            client=VLLMClient(lora_server.base_url, str(tiny_qwen3), timeout=60))
+    loop = AsyncRolloutLoop(config, str(tiny_qwen3), [], [], load_tokenizer(str(tiny_qwen3)), [2], None,
+                            LoopOptions(lora_name="t", client=VLLMClient(lora_server.base_url, str(tiny_qwen3),
+                                                                          timeout=60)))
 
     async def turns_under_v1(between):
         _model_version.set(1)

@@ -53,8 +53,10 @@ def run_trace(name: str, model_dir: Path) -> dict[str, list[float]]:
     from grpo.config import AsyncGRPOConfig
     from grpo.losses import get_loss
     from grpo.model import load_policy, trainable_parameters
-    from grpo.policy import PackedPolicy
-    from train import StepPlan, build_optimizer, resolve_metrics, train_micro_batch
+    from grpo.policy import PackedPolicy, build_optimizer
+    from grpo.step import train_micro_batch
+    from grpo.step_metrics import resolve_metrics
+    from grpo.step_plan import StepPlan
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # fixed reduction order

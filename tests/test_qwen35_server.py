@@ -112,7 +112,7 @@ def test_server_matches_the_trainers_tree_packed_forward(qwen35_server, qwen35_m
     from grpo.distributed import init_distributed
     from grpo.samples import TrainingSample
     from grpo.trie import pack_samples
-    from train import build_policy
+    from grpo.policy import build_policy
 
     seqs = shared_prompt_seqs()
     _, policy, *_ = build_policy(AsyncGRPOConfig(model=qwen35_model, token_budget=1024), init_distributed(), 1024)

@@ -4,6 +4,7 @@ the adaptive concurrency cap and token-allowance backpressure. Pure scoring case
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import multiprocessing
 import queue
@@ -38,7 +39,12 @@ def make_config(server, model_dir, **kw) -> AsyncGRPOConfig:
 
 
 def make_loop(cls, config, dataset, reward_funcs, tokenizer, **kw):
-    return cls(config, config.model, dataset, reward_funcs, tokenizer, [tokenizer.eos_token_id], **kw)
+    """`kw`: `SharedState` fields (samples, metrics, model_version, ...) and `LoopOptions` fields (tools, ...)."""
+    from grpo.shared_state import LoopOptions, SharedState
+
+    shared = {k: kw.pop(k) for k in list(kw) if k in SharedState.__dataclass_fields__}
+    return cls(config, config.model, dataset, reward_funcs, tokenizer, [tokenizer.eos_token_id],
+               SharedState(**shared), LoopOptions(**kw))
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +187,7 @@ def test_groups_reproduce_under_the_tiny_model(vllm_server, tiny_qwen3, tokenize
     config = make_config(vllm_server, tiny_qwen3)
     dataset = [{"prompt": PROMPT, "answer": "7"}, {"prompt": [{"role": "user", "content": "the sky is"}]}]
     samples_q = queue.Queue()
-    loop = make_loop(AsyncRolloutLoop, config, dataset, [length_reward], tokenizer, rollout_buffer=samples_q)
+    loop = make_loop(AsyncRolloutLoop, config, dataset, [length_reward], tokenizer, samples=samples_q)
     groups = sorted(collect(loop, max_groups=4), key=lambda gk: gk[0].group_id)  # scored in completion order
     assert [g.group_id for g, _ in groups] == [0, 1, 2, 3] and [g.row_index for g, _ in groups] == [0, 1, 0, 1]
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
@@ -224,7 +230,7 @@ def test_curriculum_example_filters_solved_prompts(vllm_server, tiny_qwen3, toke
     buffer = queue.Queue()
     # An allowance smaller than one group: one group at a time, so each filter decision sees the previous scores.
     allowance = multiprocessing.Value("d", 1.0)
-    loop = make_loop(CurriculumRolloutLoop, config, dataset, [always_pass_on_row0], tokenizer, rollout_buffer=buffer,
+    loop = make_loop(CurriculumRolloutLoop, config, dataset, [always_pass_on_row0], tokenizer, samples=buffer,
                      token_allowance=allowance)
     groups = sorted(collect(loop, max_groups=6), key=lambda gk: gk[0].group_id)
     assert loop.pass_rates[0] == 1.0 and loop.pass_rates[1] < 0.9
@@ -298,7 +304,7 @@ class ToolScript(ScriptedLoop):
 
 def run_scripted(loop, max_groups):
     metrics = queue.Queue()
-    loop.metrics_queue = metrics
+    loop.shared = dataclasses.replace(loop.shared, metrics=metrics)
     groups = collect(loop, max_groups)
     w = MetricsWindow()
     while not metrics.empty():
@@ -422,8 +428,7 @@ def test_backpressure_keeps_queued_and_inflight_tokens_within_the_allowance(vllm
     queued, allowance = multiprocessing.Value("q", 0), multiprocessing.Value("d", allowance_tokens)
     buffer, metrics = queue.Queue(), queue.Queue()
     loop = make_loop(AsyncRolloutLoop, config, [{"prompt": PROMPT}] * 8, [length_reward], tokenizer,
-                     rollout_buffer=buffer, metrics_queue=metrics, token_allowance=allowance,
-                     queued_tokens_value=queued)
+                     samples=buffer, metrics=metrics, token_allowance=allowance, queued_tokens=queued)
     peak, done = [0.0], threading.Event()
 
     def observe():
@@ -535,8 +540,8 @@ def test_concurrency_cap_shrinks_under_load_and_grows_when_idle(small_kv_server,
     config = make_config(small_kv_server, tiny_qwen3, num_generations=4, max_completion_length=110,
                          max_concurrent_rollouts=16)
     metrics, stop = queue.Queue(), threading.Event()
-    loop = make_loop(FastPoll, config, [{"prompt": prompt}] * 8, [length_reward], tokenizer, metrics_queue=metrics,
-                     stop_event=stop)
+    loop = make_loop(FastPoll, config, [{"prompt": prompt}] * 8, [length_reward], tokenizer, metrics=metrics,
+                     stop=stop)
     seen = {"rollout/concurrency_cap": [], "rollout/vllm_kv_cache_usage_frac": [], "rollout/vllm_queued_requests": []}
 
     def drain():
@@ -605,7 +610,7 @@ class VersionBump(ScriptedLoop):
 
     async def generate_one_turn(self, prompt_ids):
         await asyncio.sleep(0.01)
-        self.model_version_value.value += 1
+        self.shared.model_version.value += 1
         return await super().generate_one_turn(prompt_ids)
 
 
@@ -615,7 +620,7 @@ def test_group_version_is_read_at_first_dispatch_and_resume_skips_ahead(vllm_ser
     version = multiprocessing.Value("q", 7)
     buffer = queue.Queue()
     loop = make_loop(VersionBump, config, [{"prompt": PROMPT}] * 2, [index_reward], tokenizer,
-                     rollout_buffer=buffer, model_version_value=version, dataset_start_index=3)
+                     samples=buffer, model_version=version, dataset_start_index=3)
     groups = sorted(collect(loop, max_groups=3), key=lambda gk: gk[0].group_id)
     assert [g.row_index for g, _ in groups] == [1, 0, 1]  # prompt 3 of a 2-row dataset: epoch 1, row 1
     assert groups[0][0].model_version == 7  # read when its first rollout was dispatched, before any bump

@@ -17,6 +17,7 @@ from grpo.config import AsyncGRPOConfig
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.samples import TurnRecord
 from grpo.server_pool import NoServerLeftError, ServerPool
+from grpo.shared_state import LoopOptions, SharedState
 from grpo.vllm_client import ServerMetrics, ServerUnreachableError
 from grpo.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError, nccl_rank_offsets
 
@@ -64,8 +65,8 @@ def run_loop(tokenizer, servers, groups: int, alive_flags=None, **config):
                               "max_concurrent_rollouts": 8} | config))
     seen = []
     loop = AsyncRolloutLoop(cfg, "tiny", PROMPTS, [index_reward], tokenizer, [tokenizer.eos_token_id],
-                            client=list(servers), servers_alive=alive_flags,
-                            group_callback=lambda g, adv, kept: seen.append(g))
+                            SharedState(servers_alive=alive_flags),
+                            LoopOptions(client=list(servers), group_callback=lambda g, adv, kept: seen.append(g)))
     asyncio.run(loop.run(max_groups=groups))
     return loop, seen
 

@@ -48,7 +48,9 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
     from grpo.losses import get_loss
     from grpo.model import load_policy
     from grpo.policy import PackedPolicy
-    from train import StepPlan, resolve_metrics, train_micro_batch
+    from grpo.step import train_micro_batch
+    from grpo.step_metrics import resolve_metrics
+    from grpo.step_plan import StepPlan
 
     if world > 1:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
@@ -235,7 +237,9 @@ def test_moe_load_balancing_loss_is_added(tiny_models):
     from grpo.losses import get_loss
     from grpo.model import aux_loss_coef, load_policy
     from grpo.policy import PackedPolicy
-    from train import StepPlan, resolve_metrics, train_micro_batch
+    from grpo.step import train_micro_batch
+    from grpo.step_metrics import resolve_metrics
+    from grpo.step_plan import StepPlan
 
     model = load_policy(str(tiny_models["qwen3_moe"]), gradient_checkpointing=False)
     coef = aux_loss_coef(model, None)
@@ -310,7 +314,7 @@ class CounterEnv:
 
 def test_inputs_resolution_environment_owns_the_data():
     from grpo.config import AsyncGRPOConfig
-    from train import resolve_inputs
+    from grpo.inputs import resolve_inputs
 
     funcs, dataset, tools, env, loop = resolve_inputs(AsyncGRPOConfig(max_steps=5), [], None, None, CounterEnv, None)
     assert dataset is None and env is CounterEnv and funcs == [] and tools == [] and loop is None
@@ -326,7 +330,8 @@ def test_step_metrics_follow_the_one_reduction_rule_and_skip_nan():
     NaN), counts are summed and extremes kept, as in every logged window."""
     from types import SimpleNamespace
 
-    from train import StepPlan, step_summary
+    from grpo.step_metrics import step_summary
+    from grpo.step_plan import StepPlan
 
     samples = random_samples(0, groups=1, group_size=2)
     for s in samples:
@@ -341,7 +346,7 @@ def test_step_metrics_follow_the_one_reduction_rule_and_skip_nan():
 
 
 def test_missing_model_path_is_named_and_hub_ids_pass(tiny_qwen3):
-    from train import check_model_path
+    from grpo.inputs import check_model_path
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_model_path("/no/such/dir")
@@ -352,12 +357,12 @@ def test_missing_model_path_is_named_and_hub_ids_pass(tiny_qwen3):
 
 
 def test_config_cls_is_taken_out_of_argv():
-    from train import config_class
+    from grpo.config import config_class
 
     cls, rest = config_class(["--max-steps", "3", "--config-cls", "grpo.config:AsyncGRPOConfig", "--seed", "1"])
     assert cls is AsyncGRPOConfig and rest == ["--max-steps", "3", "--seed", "1"]
     with pytest.raises(TypeError, match="not a subclass"):
-        config_class(["--config-cls=grpo.queue:RolloutWorker"])
+        config_class(["--config-cls=grpo.rollout_worker:RolloutWorker"])
 
 
 @pytest.mark.vllm

@@ -19,6 +19,7 @@ from conftest import REPO
 from grpo.config import AsyncGRPOConfig
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.samples import TurnRecord
+from grpo.shared_state import LoopOptions
 
 from .harness import named_error, within
 
@@ -73,7 +74,7 @@ class UnscoredEnv:
 
 
 def resolve(config=None, **kw):
-    from train import resolve_inputs
+    from grpo.inputs import resolve_inputs
 
     args = dict(reward_funcs=None, train_dataset=None, tools=None, environment_factory=None, loop_cls=None) | kw
     return resolve_inputs(config or AsyncGRPOConfig(dataset="builtin:letters", reward_funcs=("letters",)), **args)
@@ -147,7 +148,7 @@ def test_text_parts_are_rendered_as_their_text(tiny_qwen3):
     config = AsyncGRPOConfig(model=str(tiny_qwen3), vllm_server_base_url="http://127.0.0.1:9", num_generations=2)
     groups, RecordsPrompt.rendered = [], []
     loop = RecordsPrompt(config, config.model, dataset, funcs, tokenizer, [tokenizer.eos_token_id],
-                         group_callback=lambda g, adv, kept: groups.append(g))
+                         None, LoopOptions(group_callback=lambda g, adv, kept: groups.append(g)))
     within(60, asyncio.run, loop.run(max_groups=1))
     expected = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
                                               {"role": "user", "content": "What is 3 + 4?"}],
@@ -216,7 +217,7 @@ def test_train_main_reentered_by_the_spawned_worker_is_named(tiny_qwen3):
 
 @pytest.mark.vllm
 def test_wrong_server_url_is_named_with_progress_lines(caplog):
-    from train import server_facts
+    from grpo.server_facts import server_facts
 
     config = AsyncGRPOConfig(vllm_server_base_url="http://127.0.0.1:9", vllm_server_timeout=4,
                              progress_interval_s=1.0)
@@ -230,7 +231,7 @@ def test_wrong_server_url_is_named_with_progress_lines(caplog):
 def test_server_without_processed_logprobs_is_rejected_at_start(proxy):
     """/server_info as a server started without --logprobs-mode processed_logprobs reports it (rewritten by the
     proxy): rejected at start (it used to run with an on-policy log-prob gap of 0.08)."""
-    from train import server_facts
+    from grpo.server_facts import server_facts
 
     def raw_logprobs(info):
         info["vllm_config"]["model_config"]["logprobs_mode"] = "raw_logprobs"
@@ -259,7 +260,7 @@ def test_crafted_checkpoint_runs_nothing_on_resume(tiny_qwen3, tmp_path):
 
     from grpo.checkpoint import load_checkpoint
     from grpo.model import load_policy
-    from train import build_optimizer
+    from grpo.policy import build_optimizer
 
     ckpt = tmp_path / "checkpoint-1"
     shutil.copytree(tiny_qwen3, ckpt)

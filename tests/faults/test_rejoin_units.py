@@ -18,6 +18,7 @@ from test_server_pool import PROMPTS, StandInControl, StandInServer, index_rewar
 from grpo.config import AsyncGRPOConfig
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.server_pool import NoServerLeftError
+from grpo.shared_state import LoopOptions, SharedState
 from grpo.weight_sync import WeightSyncConfig, WeightSyncError
 
 from .harness import named_error, within
@@ -54,7 +55,7 @@ def test_a_dead_server_whose_flag_is_set_again_takes_groups_again(tokenizer):
 
     cfg = AsyncGRPOConfig(model="tiny", num_generations=4, max_completion_length=4, max_concurrent_rollouts=8)
     loop = AsyncRolloutLoop(cfg, "tiny", PROMPTS, [index_reward], tokenizer, [tokenizer.eos_token_id],
-                            client=servers, servers_alive=alive, group_callback=on_group)
+                            SharedState(servers_alive=alive), LoopOptions(client=servers, group_callback=on_group))
     within(60, asyncio.run, loop.run(max_groups=20))
     assert sorted(done) == list(range(20)) and requests_at_revival
     assert loop.pool.servers[1].alive and alive[1] == 1

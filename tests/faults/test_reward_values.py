@@ -21,6 +21,7 @@ from grpo.config import AsyncGRPOConfig
 from grpo.metrics import MetricsWindow
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.samples import TurnRecord
+from grpo.shared_state import LoopOptions, SharedState
 
 from .harness import audit, named_error, within
 from .test_run_faults import records, run, train_cmd
@@ -108,8 +109,9 @@ def run_scripted(tiny_qwen3, loop_cls=Scripted, rows=ROWS[:2], rewards=(index_re
     config = AsyncGRPOConfig(**({"model": str(tiny_qwen3), "vllm_server_base_url": "http://127.0.0.1:9",
                                  "num_generations": 4, "max_completion_length": 8} | kw.pop("config", {})))
     out, seen = queue.Queue(), []
-    loop = loop_cls(config, config.model, rows, list(rewards), tokenizer, [tokenizer.eos_token_id],
-                    metrics_queue=out, group_callback=lambda g, adv, kept: seen.append((g, adv, kept)), **kw)
+    shared = SharedState(metrics=out, samples=kw.pop("samples", None))
+    options = LoopOptions(group_callback=lambda g, adv, kept: seen.append((g, adv, kept)), **kw)
+    loop = loop_cls(config, config.model, rows, list(rewards), tokenizer, [tokenizer.eos_token_id], shared, options)
     try:
         within(60, asyncio.run, loop.run(max_groups=groups if groups is not None else len(rows)))
     finally:
@@ -200,7 +202,7 @@ def test_failing_reset_is_retried_then_its_prompt_dropped_and_counted(tiny_qwen3
     FlakyEnv.failed_once = set()
     buffer = queue.Queue()
     with caplog.at_level(logging.WARNING, logger="grpo.rollout"):
-        seen, out = run_scripted(tiny_qwen3, rows=ENV_ROWS, environment_factory=FlakyEnv, rollout_buffer=buffer)
+        seen, out = run_scripted(tiny_qwen3, rows=ENV_ROWS, environment_factory=FlakyEnv, samples=buffer)
     assert sorted(g.row_index for g, _, _ in seen) == [0, 2, 3]
     from grpo.samples import ConsumedGroup
 

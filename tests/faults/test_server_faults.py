@@ -133,6 +133,7 @@ def test_real_servers_keep_each_group_on_one_server(server_pair, tiny_qwen3):
 
     from grpo.config import AsyncGRPOConfig
     from grpo.rollout_loop import AsyncRolloutLoop
+    from grpo.shared_state import LoopOptions
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     config = AsyncGRPOConfig(model=str(tiny_qwen3), vllm_server_base_url=tuple(s.base_url for s in server_pair),
@@ -140,7 +141,8 @@ def test_real_servers_keep_each_group_on_one_server(server_pair, tiny_qwen3):
     prompts = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(8)]
     groups = []
     loop = AsyncRolloutLoop(config, str(tiny_qwen3), prompts, [lambda completion_ids, **kw: [0.0] * 4], tokenizer,
-                            [tokenizer.eos_token_id], group_callback=lambda g, adv, kept: groups.append(g))
+                            [tokenizer.eos_token_id], None,
+                            LoopOptions(group_callback=lambda g, adv, kept: groups.append(g)))
     asyncio.run(loop.run(max_groups=8))
     homes = [{r.server for r in g.rollouts} for g in groups]
     assert len(groups) == 8 and all(len(h) == 1 for h in homes), homes
@@ -156,6 +158,7 @@ def test_a_server_answering_5xx_to_everything_is_dropped_and_its_rollouts_rerun(
 
     from grpo.config import AsyncGRPOConfig
     from grpo.rollout_loop import AsyncRolloutLoop
+    from grpo.shared_state import LoopOptions
 
     from .proxy import FaultProxy
 
@@ -170,8 +173,8 @@ def test_a_server_answering_5xx_to_everything_is_dropped_and_its_rollouts_rerun(
         prompts = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(6)]
         groups = []
         loop = AsyncRolloutLoop(config, str(tiny_qwen3), prompts, [lambda completion_ids, **kw: [0.0] * 4],
-                                tokenizer, [tokenizer.eos_token_id],
-                                group_callback=lambda g, adv, kept: groups.append(g))
+                                tokenizer, [tokenizer.eos_token_id], None,
+                                LoopOptions(group_callback=lambda g, adv, kept: groups.append(g)))
         within(300, asyncio.run, loop.run(max_groups=6))
     finally:
         proxy.close()

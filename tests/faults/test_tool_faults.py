@@ -15,6 +15,7 @@ from grpo.config import AsyncGRPOConfig
 from grpo.metrics import MetricsWindow
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.samples import TurnRecord
+from grpo.shared_state import LoopOptions, SharedState
 
 from .harness import within
 
@@ -77,8 +78,8 @@ def test_tool_faults_go_back_to_the_model_and_are_counted(faults_server, tiny_qw
     loop_cls = type("Loop", (Scripted,), {"first_turn": text})
     metrics, groups = queue.Queue(), []
     loop = loop_cls(config, config.model, [{"prompt": PROMPT}], [length_reward], tokenizer,
-                    [tokenizer.eos_token_id], metrics_queue=metrics, tools=[multiply, flaky_lookup],
-                    group_callback=lambda g, adv, kept: groups.append(g))
+                    [tokenizer.eos_token_id], SharedState(metrics=metrics),
+                    LoopOptions(tools=(multiply, flaky_lookup), group_callback=lambda g, adv, kept: groups.append(g)))
     within(60, asyncio.run, loop.run(max_groups=1))
     w = MetricsWindow()
     while not metrics.empty():

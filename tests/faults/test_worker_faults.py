@@ -15,7 +15,7 @@ import pytest
 
 from grpo.config import AsyncGRPOConfig
 from grpo.metrics import MetricsWindow
-from grpo.queue import RolloutWorker
+from grpo.rollout_worker import RolloutWorker
 from grpo.rollout_loop import AsyncRolloutLoop
 
 from .harness import named_error, within
@@ -68,8 +68,8 @@ def start_worker(model_dir, base_url, rows=ROWS, rewards=(length_reward,), loop_
                  token_allowance: float = 4000.0, **kw):
     """A real worker; the token allowance stands in for the trainer's backpressure (it idles once that much is
     queued and nobody pulls)."""
-    worker = RolloutWorker(config_for(model_dir, base_url, **kw), rows, list(rewards), loop_cls=loop_cls,
-                           token_allowance=token_allowance)
+    worker = RolloutWorker(config_for(model_dir, base_url, **kw), rows, list(rewards), loop_cls=loop_cls)
+    worker.set_token_allowance(token_allowance)
     worker.start()
     return worker
 
@@ -219,7 +219,7 @@ def test_worker_frozen_half_way_through_a_sample_is_named_not_a_deadlock(tiny_qw
     try:
         assert worker.get(timeout=3) is None  # alive and beating
         os.kill(worker.process.pid, signal.SIGSTOP)
-        writer = worker.shared["samples"]._writer
+        writer = worker.shared.samples._writer
         os.write(writer.fileno(), struct.pack("!i", 4096) + b"\x80\x04" + b"x" * 100)  # header promises 4096 bytes
         named_error(30, worker.get, "hung", "heartbeat", timeout=60, expected=RuntimeError)
     finally:
@@ -231,7 +231,7 @@ TRAINER = """
 import sys, time
 sys.path[:0] = {paths!r}
 from faults.test_worker_faults import IdleLoop, config_for, length_reward, ROWS
-from grpo.queue import RolloutWorker
+from grpo.rollout_worker import RolloutWorker
 if __name__ == "__main__":
     worker = RolloutWorker(config_for({model!r}, "http://127.0.0.1:9"), ROWS, [length_reward], loop_cls=IdleLoop)
     worker.start()

@@ -13,9 +13,10 @@ import pytest
 
 from grpo.config import AsyncGRPOConfig
 from grpo.metrics import MetricsWindow
-from grpo.queue import RolloutWorker, check_picklable
+from grpo.rollout_worker import RolloutWorker, WorkerStart, check_picklable
 from grpo.rollout_loop import AsyncRolloutLoop, ConsumedGroup
 from grpo.samples import TrainingSample
+from grpo.shared_state import LoopOptions
 
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
 
@@ -77,11 +78,11 @@ def sample(version, group_id, n=5):
 def test_queue_drops_exactly_the_over_stale_samples(tiny_qwen3):
     worker = RolloutWorker(config_for(tiny_qwen3, max_staleness=4), [{"prompt": PROMPT}] * 10, [length_reward])
     worker.set_model_version(6)
-    worker.shared["queued_tokens"].value = 7 * 5
+    worker.shared.queued_tokens.value = 7 * 5
     items = [sample(v, group_id=v) for v in range(7)]
     accepted = [s for s in map(worker._accept, items) if s is not None]
     assert [s.model_version for s in accepted] == [2, 3, 4, 5, 6]  # staleness 6 - v <= 4
-    assert worker.shared["queued_tokens"].value == 0  # dropped samples leave the token count too
+    assert worker.shared.queued_tokens.value == 0  # dropped samples leave the token count too
     w = MetricsWindow()
     w.extend(worker.drain_metrics())
     out = w.reduce()
@@ -171,7 +172,8 @@ def test_hung_worker_is_detected_by_its_heartbeat(tiny_qwen3):
 @pytest.mark.vllm
 def test_worker_streams_scored_samples(vllm_server, tiny_qwen3):
     config = config_for(tiny_qwen3, vllm_server.base_url)
-    worker = RolloutWorker(config, [{"prompt": PROMPT, "answer": "7"}] * 3, [length_reward], model_version=1)
+    worker = RolloutWorker(config, [{"prompt": PROMPT, "answer": "7"}] * 3, [length_reward],
+                           start=WorkerStart(model_version=1))
     worker.start()
     try:
         got = [worker.get(timeout=120) for _ in range(6)]
@@ -254,9 +256,10 @@ def test_the_untrained_rest_of_a_partial_group_is_carried_through_a_resume(tiny_
     assert [c["rollout_id"] for c in state["carried"]] == ["r1", "r2"]
     assert [item.rollout_id for item, counted in worker._front] == ["r2"]  # pulled early, still handed out here
 
-    resumed = RolloutWorker(config_for(tiny_qwen3), rows, [length_reward], dataset_start_index=state["prompt_index"],
-                            skip_positions=resume_skips(state), carried=state["carried"])
-    assert 2 in resumed.spec.skip_positions  # not generated again
+    options = LoopOptions(dataset_start_index=state["prompt_index"], skip_positions=frozenset(resume_skips(state)))
+    resumed = RolloutWorker(config_for(tiny_qwen3), rows, [length_reward], options,
+                            start=WorkerStart(carried=tuple(state["carried"])))
+    assert 2 in resumed.spec.options.skip_positions  # not generated again
     back = [resumed._accept(item, counted) for item, counted in list(resumed._front)]
     for old, new in zip(group[1:], back):
         assert new.group_id == 0 and new.key == old.key and new.advantage == old.advantage

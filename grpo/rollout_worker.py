@@ -1,9 +1,9 @@
-"""The rollout queue: the worker process that runs `AsyncRolloutLoop` and the state it shares with the trainer.
+"""The rollout worker: the process that runs `AsyncRolloutLoop`, and its trainer-side handle `RolloutWorker`.
 
 The worker is spawned (torch.multiprocessing, "spawn") with `CUDA_VISIBLE_DEVICES=""`, so everything handed to it
 (reward functions, tools, environment factories, the loop class) must pickle; `check_picklable` says how to fix
-what does not. Shared state: the sample queue, the model version, the token allowance, the queued-token count, a
-heartbeat, a failure event with a traceback queue, and a metrics queue.
+what does not. Shared state (`SharedState`, grpo/shared_state.py): the sample queue, the model version, the token
+allowance, the queued-token count, a heartbeat, a failure event with a traceback queue, and a metrics queue.
 
 Trainer side, a reader thread moves items from the process queue into a local one, so `RolloutWorker.get` never
 blocks in a pipe read (a worker frozen half-way through writing a sample would otherwise hang the trainer with
@@ -19,7 +19,6 @@ import atexit
 import collections
 import contextlib
 import logging
-import math
 import os
 import pickle
 import queue as queue_lib
@@ -29,7 +28,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from grpo.config import AsyncGRPOConfig
@@ -37,6 +36,7 @@ from grpo.imports import resolve_import
 from grpo.ledger import PromptLedger
 from grpo.progress import WaitProgress
 from grpo.samples import ConsumedGroup
+from grpo.shared_state import LoopOptions, SharedState, is_stale, run_ahead_allowance
 
 log = logging.getLogger("grpo.rollout")
 
@@ -67,29 +67,41 @@ def check_picklable(reward_funcs=(), tools=(), environment_factory=None, loop_cl
 # ---- the worker process ------------------------------------------------------------------------------------------
 
 
-def staleness_allowance(max_staleness: int, tokens_per_step: float) -> float:
-    """Tokens queued + in flight the worker may hold: what training consumes in max(max_staleness, 1) steps."""
-    return max(max_staleness, 1) * float(tokens_per_step)
+@dataclass(frozen=True)
+class ServedModel:
+    """The model the rollouts are generated with: the name requests carry, the tokenizer, the stop tokens."""
+
+    name: str | None = None
+    """The served model name (the server may spell `--model` otherwise); None = `config.model`."""
+    tokenizer_path: str | None = None
+    """None = `config.model`."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """None = the tokenizer's eos token."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class WorkerStart:
+    """The first contents of the shared values, and the samples a resumed run carries over."""
+
+    model_version: int = 0
+    """The weight version the servers hold at start (after the cold sync)."""
+    servers_alive: tuple | None = None
+    """0/1 per server; None = all alive."""
+    carried: tuple = ()
+    """The checkpoint's untrained samples of partly trained groups (`rollout_state.json` "carried")."""
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """Everything the child needs to build the loop (pickled once at spawn)."""
 
     config: AsyncGRPOConfig
-    loop_cls: Any  # class or "pkg.module:Class"
     dataset: Any
-    reward_funcs: list[Callable]
-    tools: list[Callable]
-    environment_factory: Any
-    model_name: str
-    tokenizer_path: str
-    eos_token_ids: list[int] | None
-    lora_name: str | None
-    dataset_start_index: int
-    skip_positions: frozenset[int] = frozenset()
+    reward_funcs: tuple[Callable, ...]
+    options: LoopOptions
+    loop_cls: Any  # class or "pkg.module:Class"
+    served: ServedModel
     parent_pid: int = 0
-    eval_dataset: Any = None
 
 
 def format_exception(exc: BaseException) -> str:
@@ -108,12 +120,12 @@ def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
+def _worker_main(spec: WorkerSpec, shared: SharedState) -> None:
     import asyncio
 
     import logging
 
-    shared["heartbeat"].value = time.time()  # spawn start-up (imports) must not read as a hang
+    shared.beat()  # spawn start-up (imports) must not read as a hang
     # The spawned process starts without the trainer's logging setup: same format, so its warnings say WARNING.
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s (rollout worker): %(message)s")
@@ -128,29 +140,20 @@ def _worker_main(spec: WorkerSpec, shared: dict[str, Any]) -> None:
             loop_cls = resolve_import(loop_cls)
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.config.trust_remote_code)
-        shared["heartbeat"].value = time.time()
-        loop = loop_cls(
-            spec.config, spec.model_name, spec.dataset, spec.reward_funcs, tokenizer,
-            spec.eos_token_ids or [tokenizer.eos_token_id], rollout_buffer=shared["samples"],
-            model_version_value=shared["model_version"], token_allowance=shared["token_allowance"],
-            heartbeat_value=shared["heartbeat"], failed_event=shared["failed"],
-            exception_info_queue=shared["exceptions"], metrics_queue=shared["metrics"], tools=spec.tools,
-            environment_factory=spec.environment_factory, score_queue_maxsize=spec.config.score_queue_maxsize,
-            lora_name=spec.lora_name, dataset_start_index=spec.dataset_start_index,
-            queued_tokens_value=shared["queued_tokens"], stop_event=shared["stop"],
-            servers_alive=shared["servers_alive"])
-        loop.skip_positions = spec.skip_positions
-        loop.eval_dataset, loop.eval_request_value = spec.eval_dataset, shared["eval_request"]
-        loop.eval_started_value, loop.eval_done_value = shared["eval_started"], shared["eval_done"]
+        cfg, served = spec.config, spec.served
+        tokenizer = AutoTokenizer.from_pretrained(served.tokenizer_path or cfg.model,
+                                                  trust_remote_code=cfg.trust_remote_code)
+        shared.beat()
+        loop = loop_cls(cfg, served.name or cfg.model, spec.dataset, list(spec.reward_funcs), tokenizer,
+                        list(served.eos_token_ids or [tokenizer.eos_token_id]), shared, spec.options)
         asyncio.run(loop.run())
         # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
         # into a pipe nobody reads.
-        shared["samples"].cancel_join_thread()
-        shared["metrics"].cancel_join_thread()  # undrained metrics must not block the exit either
+        shared.samples.cancel_join_thread()
+        shared.metrics.cancel_join_thread()  # undrained metrics must not block the exit either
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then die
-        shared["exceptions"].put(format_exception(exc))
-        shared["failed"].set()
+        shared.exceptions.put(format_exception(exc))
+        shared.failed.set()
         raise SystemExit(1) from None
 
 
@@ -180,37 +183,26 @@ class RolloutWorker:
     """Owns the rollout process and the state it shares with the trainer. Trainer API: start/stop, get,
     set_model_version, set_token_allowance, drain_metrics, mark_trained, drain_drops, state_dict."""
 
-    def __init__(self, config: AsyncGRPOConfig, dataset, reward_funcs=(), *, tools=(), environment_factory=None,
-                 loop_cls=None, model_name: str | None = None, tokenizer_path: str | None = None,
-                 eos_token_ids: list[int] | None = None, lora_name: str | None = None, dataset_start_index: int = 0,
-                 skip_positions=(), token_allowance: float = math.inf, model_version: int = 0,
-                 servers_alive=None, eval_dataset=None, carried=()):
+    def __init__(self, config: AsyncGRPOConfig, dataset, reward_funcs=(), options: LoopOptions = LoopOptions(), *,
+                 loop_cls=None, served: ServedModel = ServedModel(), start: WorkerStart = WorkerStart()):
         import torch.multiprocessing as mp
 
         self.config = config
         self._ctx = mp.get_context("spawn")
-        self.spec = WorkerSpec(config, loop_cls or config.loop_cls, dataset, list(reward_funcs), list(tools),
-                               environment_factory, model_name or config.model, tokenizer_path or config.model,
-                               eos_token_ids, lora_name, dataset_start_index,
-                               frozenset(skip_positions) | {c["position"] for c in carried}, os.getpid(),
-                               eval_dataset)
-        ctx = self._ctx
-        self.shared = dict(samples=ctx.Queue(), metrics=ctx.Queue(), exceptions=ctx.Queue(),
-                           model_version=ctx.Value("q", model_version), token_allowance=ctx.Value("d", token_allowance),
-                           queued_tokens=ctx.Value("q", 0), heartbeat=ctx.Value("d", time.time()),
-                           failed=ctx.Event(), stop=ctx.Event(), eval_request=ctx.Value("q", 0),
-                           eval_started=ctx.Value("q", 0), eval_done=ctx.Value("q", 0),
-                           servers_alive=ctx.Array("b", [int(bool(a)) for a in (
-                               servers_alive if servers_alive is not None else [1] * len(config.vllm_server_urls))]))
+        skips = frozenset(options.skip_positions) | {c["position"] for c in start.carried}
+        self.spec = WorkerSpec(config, dataset, tuple(reward_funcs), replace(options, skip_positions=skips),
+                               loop_cls or config.loop_cls, served, os.getpid())
+        self.shared = SharedState.create(self._ctx, len(config.vllm_server_urls), start.model_version,
+                                         servers_alive=start.servers_alive)
         self.process = None
         self._inbox: queue_lib.Queue = queue_lib.Queue()
         self._reader_stop = threading.Event()
         self._trainer_metrics: list[tuple[str, Any]] = []
         self.wait_s = 0.0  # seconds `get` waited since the last `take_wait_s` (the trainer's per-step rollout wait)
-        self.ledger = PromptLedger(dataset_start_index, skip_positions)
+        self.ledger = PromptLedger(options.dataset_start_index, sorted(options.skip_positions))
         self._front: collections.deque = collections.deque()
         """(item, counted in queued_tokens) to hand out before the inbox: carried samples, items pulled early."""
-        self._carry_in(carried, dataset_start_index)
+        self._carry_in(start.carried, options.dataset_start_index)
         self._dropped_in_a_row: Counter[str] = Counter()
         self._stale_since_sample = 0
         self.waiting = WaitProgress("samples from the rollout worker", config.progress_interval_s)
@@ -240,8 +232,8 @@ class RolloutWorker:
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:
         spec = self.spec
-        check_picklable(spec.reward_funcs, spec.tools, spec.environment_factory, spec.loop_cls)
-        self.shared["heartbeat"].value = time.time()
+        check_picklable(spec.reward_funcs, spec.options.tools, spec.options.environment_factory, spec.loop_cls)
+        self.shared.beat()
         with _environ(CUDA_VISIBLE_DEVICES=""):  # the child inherits the environment at spawn: no GPU there
             # Not a daemon: reward functions, tools and environments may start processes of their own (the
             # `accuracy` reward runs math-verify in one), which multiprocessing forbids in a daemon. Instead the
@@ -256,7 +248,7 @@ class RolloutWorker:
 
     def _pump(self) -> None:
         """Reader thread: the only place that may block inside a pipe read (a frozen writer freezes only it)."""
-        samples = self.shared["samples"]
+        samples = self.shared.samples
         while not self._reader_stop.is_set():
             try:
                 self._inbox.put(samples.get(timeout=0.5))
@@ -269,7 +261,7 @@ class RolloutWorker:
         if self.process is None:
             self._reader_stop.set()
             return
-        self.shared["stop"].set()
+        self.shared.stop.set()
         self.process.join(timeout)  # the reader keeps draining meanwhile, so the worker never blocks on a full pipe
         if self.process.is_alive():
             self.process.terminate()
@@ -281,20 +273,20 @@ class RolloutWorker:
 
     # ---- shared values -------------------------------------------------------------------------------------------
     def set_model_version(self, version: int) -> None:
-        self.shared["model_version"].value = version
+        self.shared.model_version.value = version
 
     def request_eval(self, version: int) -> None:
         """Ask the worker to evaluate the held-out prompts at this weight version (grpo/evaluation.py). A previous
         request the worker has not started yet is superseded: counted in eval/skipped_count."""
-        pending = int(self.shared["eval_request"].value)
-        if pending > int(self.shared["eval_started"].value) and pending != version:
+        pending = int(self.shared.eval_request.value)
+        if pending > int(self.shared.eval_started.value) and pending != version:
             self._trainer_metrics.append(("eval/skipped_count", 1))
-        self.shared["eval_request"].value = version
+        self.shared.eval_request.value = version
 
     def wait_eval(self, version: int, timeout: float) -> bool:
         """Block until the evaluation of `version` is done (True), the timeout passes (False) or the worker dies."""
         deadline = time.monotonic() + timeout
-        while self.shared["eval_done"].value < version:
+        while self.shared.eval_done.value < version:
             self.check_alive()
             if time.monotonic() > deadline:
                 return False
@@ -302,28 +294,29 @@ class RolloutWorker:
         return True
 
     def set_token_allowance(self, tokens: float) -> None:
-        self.shared["token_allowance"].value = float(tokens)
+        self.shared.token_allowance.value = float(tokens)
 
     def set_allowance_from_step(self, tokens_per_step: float) -> None:
-        """After a step: the worker may run ahead by what training consumes in max(max_staleness, 1) steps."""
-        self.set_token_allowance(staleness_allowance(self.config.max_staleness, tokens_per_step))
+        """The worker may run ahead by what training consumes in max(max_staleness, 1) steps (at start: a step's
+        token estimate; after each step: the tokens it trained)."""
+        self.set_token_allowance(run_ahead_allowance(self.config.max_staleness, tokens_per_step))
 
     @property
     def servers_alive(self):
         """0/1 per vLLM server, shared with the worker (and the trainer's WeightSync): 0 = dead or dropped."""
-        return self.shared["servers_alive"]
+        return self.shared.servers_alive
 
     @property
     def model_version(self) -> int:
-        return int(self.shared["model_version"].value)
+        return int(self.shared.model_version.value)
 
     # ---- health ----------------------------------------------------------------------------------------------------
     def check_alive(self) -> None:
         if self.process is None:
             raise RuntimeError("rollout worker not started; call RolloutWorker.start() first")
-        if self.shared["failed"].is_set() or not self.process.is_alive():
+        if self.shared.failed.is_set() or not self.process.is_alive():
             try:
-                trace = self.shared["exceptions"].get(timeout=2.0)
+                trace = self.shared.exceptions.get(timeout=2.0)
             except queue_lib.Empty:
                 self.process.join(1.0)
                 code = self.process.exitcode
@@ -333,7 +326,7 @@ class RolloutWorker:
                               f"or an outside kill; to use less memory lower max_concurrent_rollouts and "
                               f"score_queue_maxsize, then restart with --resume-from-checkpoint latest)")
             raise RuntimeError(f"rollout worker failed:\n{trace}")
-        silent = time.time() - self.shared["heartbeat"].value
+        silent = time.time() - self.shared.heartbeat.value
         if silent > self.config.rollout_worker_timeout:
             raise RuntimeError(f"rollout worker hung: no heartbeat for {silent:.0f} s (rollout_worker_timeout="
                                f"{self.config.rollout_worker_timeout:.0f}); something blocks its event loop (a "
@@ -372,7 +365,7 @@ class RolloutWorker:
 
     def _waiting_detail(self) -> str:
         dropped = sum(self._dropped_in_a_row.values())
-        beat = time.time() - self.shared["heartbeat"].value
+        beat = time.time() - self.shared.heartbeat.value
         return (f"{dropped} groups dropped at scoring ({dict(self._dropped_in_a_row)}) and {self._stale_since_sample} "
                 f"stale samples since the last sample; worker heartbeat {beat:.0f} s ago; servers alive "
                 f"{[u for u, a in zip(self.config.vllm_server_urls, self.servers_alive) if a]}")
@@ -388,10 +381,11 @@ class RolloutWorker:
                 self._check_dropped_in_a_row()
             return None
         if counted:
-            with self.shared["queued_tokens"].get_lock():
-                self.shared["queued_tokens"].value -= len(item)
-        staleness = self.model_version - item.model_version
-        if staleness > self.config.max_staleness:
+            with self.shared.queued_tokens.get_lock():
+                self.shared.queued_tokens.value -= len(item)
+        version = self.model_version
+        staleness = version - item.model_version
+        if is_stale(version, item.model_version, self.config.max_staleness):
             self.ledger.dropped(item.group_id, "stale")
             self._trainer_metrics.append(("sample/dropped_stale_count", 1))
             self._stale_since_sample += 1
@@ -425,7 +419,7 @@ class RolloutWorker:
         for row in rows:
             fresh = []
             for s in row:
-                if s.group_id < 0 or self.model_version - s.model_version <= self.config.max_staleness:
+                if s.group_id < 0 or not is_stale(self.model_version, s.model_version, self.config.max_staleness):
                     fresh.append(s)
                 else:
                     self.ledger.dropped(s.group_id, "stale")
@@ -437,7 +431,7 @@ class RolloutWorker:
 
     def _qsize(self) -> float:
         try:
-            return float(self.shared["samples"].qsize() + self._inbox.qsize())
+            return float(self.shared.samples.qsize() + self._inbox.qsize())
         except NotImplementedError:  # macOS
             return float("nan")
 
@@ -464,7 +458,7 @@ class RolloutWorker:
         items, self._trainer_metrics = self._trainer_metrics, []
         while True:
             try:
-                items += self.shared["metrics"].get_nowait()
+                items += self.shared.metrics.get_nowait()
             except queue_lib.Empty:
                 return items
 
@@ -488,7 +482,7 @@ class RolloutWorker:
         held += [item for item, _ in self._front if getattr(item, "group_id", None) in partial
                  and not isinstance(item, ConsumedGroup)]
         missing = lambda: sum(size - trained for trained, size in partial.values()) - len(held)  # noqa: E731
-        running = self.process is not None and self.process.is_alive() and not self.shared["stop"].is_set()
+        running = self.process is not None and self.process.is_alive() and not self.shared.stop.is_set()
         deadline = time.monotonic() + (wait_s if running else 0.0)  # not running: what the inbox holds, no wait
         while missing() > 0 and (time.monotonic() < deadline or not self._inbox.empty()):
             if running:

@@ -1,0 +1,139 @@
+"""One optimizer step on this rank: a micro-batch's forward/backward (`train_micro_batch`), what its loss sees
+(`loss_inputs`), the default row loss, and the clip/step/zero with its non-finite guard (`optimizer_step`).
+
+Nothing here waits for the GPU until the optimizer step (normalisers: docs/losses.md). train.py's LOSS REGION
+holds the row loss a run uses; `normalized_row_loss` here is the default it starts from, used as it is by the
+benches and the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from grpo.step_metrics import StepTimer
+from grpo.step_plan import StepPlan
+
+log = logging.getLogger("train")
+
+
+def loss_inputs(out, row, samples, plan: StepPlan, max_completion_length: int):
+    """What a loss sees of one packed row: per-token log-probs (policy and sampler), advantages, the row's
+    sequence/group structure, and the micro-batch's global counts (docs/losses.md)."""
+    import torch
+
+    from grpo.losses import LossInputs
+
+    device = row.sample_id.device
+    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long, device=device)  # [S]
+    return LossInputs(
+        policy_logprobs=out.policy_logprobs.float(), sampler_logprobs=row.sampler_logprobs,
+        advantages=row.advantages, sequence_index=row.sample_id, group_index=group_of_sample[row.sample_id],
+        sequence_lengths=torch.bincount(row.sample_id, minlength=len(samples)),
+        num_tokens_global=plan.trained_tokens, num_sequences_global=plan.trained_sequences,
+        max_completion_length=max_completion_length,
+        policy_top_logprobs=None if out.policy_top_logprobs is None else out.policy_top_logprobs.float(),
+        sampler_top_logprobs=row.sampler_top_logprobs)
+
+
+def normalized_row_loss(out, row, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
+                        max_completion_length: int):
+    """The default row loss: (this rank's share of the micro-batch loss, loss metrics). `normalized_loss` divides
+    by the count the loss's normaliser names over W ranks and GA steps (docs/losses.md)."""
+    from grpo.losses import normalized_loss
+
+    inputs = loss_inputs(out, row, samples, plan, max_completion_length)
+    result = loss_fn(inputs, loss_options)
+    return normalized_loss(result, inputs, world, grad_accum), result.metrics
+
+
+def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
+                      autocast, max_completion_length: int = 1, row_loss=None) -> dict:
+    """Pack this rank's samples, forward/backward, return the loss metrics. The normaliser is global over ranks.
+    `row_loss` (same signature as `normalized_row_loss`, the default): train.py passes its LOSS REGION's.
+
+    Nothing here waits for the GPU: the metrics stay tensors and the timings CUDA events (resolve_metrics reads
+    them once per step, after the optimizer), so the host packs the next micro-batch while this one runs."""
+    import torch
+
+    from grpo.trie import pack_samples
+
+    device = next(policy.parameters()).device
+    row = pack_samples(samples).to(device)
+    timer = StepTimer(device)
+    with autocast():
+        out = policy(row)
+    timer.mark()
+    metrics: dict = {}
+    if row.num_loss_terms == 0:  # a zero-weight dummy row: forward/backward anyway to keep FSDP collectives aligned
+        loss = out.policy_logprobs.sum() * 0.0
+    else:
+        loss, metrics = (row_loss or normalized_row_loss)(out, row, samples, plan, loss_fn, loss_options, world,
+                                                          grad_accum, max_completion_length)
+        metrics = {k: torch.as_tensor(v).detach() for k, v in metrics.items()} | {"entropy": out.entropy.mean()}
+    if out.aux_loss is not None:  # router_aux_loss_coef x aux_loss / GA (docs/losses.md)
+        loss = loss + policy_module(policy).aux_coef * out.aux_loss / grad_accum
+        metrics["aux_loss"] = out.aux_loss.detach()
+    loss.backward()
+    timer.mark()
+    return metrics | {"loss": loss.detach() * grad_accum, "_timer": timer, "_forwarded": row.num_tokens,
+                      "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}
+
+
+def policy_module(policy):
+    return getattr(policy, "module", policy)
+
+
+class NonFiniteStepError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+def step_is_finite(grad_norm, losses) -> bool:
+    """True when the gradient norm and every micro-batch loss are finite on every rank (one tiny all-reduce: the
+    ranks must agree, or one would step while another skips)."""
+    import torch
+
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: clip_grad_norm_ returns a (replicated) DTensor
+        grad_norm = grad_norm.full_tensor()
+    flag = torch.isfinite(grad_norm.detach().float()).all()
+    for loss in losses:
+        flag = flag & torch.isfinite(loss.float()).all()
+    flag = flag.to(torch.int32).reshape(1)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, losses=()) -> tuple:
+    """Clip, step, zero: (grad_norm before clipping, seconds, stepped). A non-finite loss or gradient norm skips
+    the optimizer and the scheduler (their state and the weights stay as they were) and drops the gradients."""
+    import torch
+
+    import grpo.model
+
+    params = grpo.model.trainable_parameters(policy)
+    timer = StepTimer(params[0].device)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or 1e30)
+    stepped = step_is_finite(grad_norm, losses)
+    if stepped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    timer.mark()
+    return grad_norm, timer.seconds()[0], stepped  # waits for the step's GPU work: the end of a step is a sync point
+
+
+def check_nonfinite(stepped: bool, step: int, micro: list[dict], grad_norm: float, in_a_row: int,
+                    limit: int) -> int:
+    """Count skipped steps in a row; warn on each, raise NonFiniteStepError at `limit` (0 = never)."""
+    if stepped:
+        return 0
+    in_a_row += 1
+    losses = [m.get("loss") for m in micro]
+    log.warning("step %d skipped: loss %s, grad norm %s are not finite (no optimizer step, no weight sync; %d in a "
+                "row)", step, losses, grad_norm, in_a_row)
+    if limit and in_a_row >= limit:
+        raise NonFiniteStepError(
+            f"{in_a_row} steps in a row had a non-finite loss or gradient norm (last: loss {losses}, grad norm "
+            f"{grad_norm}); nothing was synced to the servers. Check the reward functions for NaN/inf, lower "
+            f"--learning-rate, or use --dtype float32 (max_nonfinite_steps_in_a_row={limit})")
+    return in_a_row
