@@ -155,7 +155,7 @@ class IpcChannel:
         for group in plan.groups:
             starts.append(starts[-1] + len(group.names))
         group_bytes = [sum(sizes[a:b]) for a, b in zip(starts, starts[1:])]
-        source = plan.iter_tensors(self.device)
+        source = plan.iter_tensors(self.device, cast=False)  # _fill casts as it copies
         sent, self.fill_s, self.post_s = 0, 0.0, 0.0
         for groups in plan_buckets(group_bytes, self.bucket_bytes):
             indices = range(starts[groups.start], starts[groups.stop])
@@ -196,16 +196,15 @@ class IpcChannel:
 
     def _fill(self, source: Iterator, manifest: dict, indices: range, sizes: list[int],
               dtypes: list[torch.dtype]) -> tuple[torch.Tensor, list[int]]:
-        """Pull the bucket's tensors (this gathers them) into one fresh uint8 buffer: ([bytes], offsets)."""
-        from grpo.nccl_broadcast import _checked_flat
-
+        """Pull the bucket's tensors (this gathers them) into one fresh uint8 buffer: ([bytes], offsets). A source
+        tensor in another dtype than the manifest's is cast by the copy into its typed slot of the buffer."""
         align = 1 if self.packed else PER_TENSOR_ALIGN  # packed: vLLM cuts tensor_sizes back to back
         offsets = _offsets([sizes[i] for i in indices], align)
         buffer = torch.empty(offsets[-1] + sizes[indices[-1]] if offsets else 0, dtype=torch.uint8, device=self.device)
         for i, offset in zip(indices, offsets):
-            flat = _checked_flat(next(source, None), manifest, i, dtypes[i])
-            buffer[offset:offset + sizes[i]].copy_(flat)
-            del flat
+            tensor = _checked_source(next(source, None), manifest, i)
+            _copy_into(buffer, offset, sizes[i], dtypes[i], tensor)
+            del tensor
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()
         return buffer, offsets
@@ -220,6 +219,29 @@ class IpcChannel:
                                       {self.uuid: share_handle(buffer)}, flag=self.layout == PACKED_PER_UPDATE)
         views = [buffer[o:o + sizes[i]].view(dtypes[i]).view(manifest["shapes"][i]) for i, o in zip(indices, offsets)]
         return per_tensor_update_info(names, dtype_names, shapes, [{self.uuid: share_handle(v)} for v in views])
+
+
+def _checked_source(item: tuple[str, torch.Tensor] | None, manifest: dict, index: int) -> torch.Tensor:
+    """The tensor, after checking it is the manifest's entry `index` by name and shape (its dtype is cast into
+    the slot; a divergence would make the server cut the bucket differently: garbage weights)."""
+    name, shape = manifest["names"][index], tuple(manifest["shapes"][index])
+    if item is None:
+        raise ValueError(f"weight source ended at manifest entry {index} ({name!r}); the server waits for the rest")
+    got_name, tensor = item
+    if got_name != name or tuple(tensor.shape) != shape:
+        raise ValueError(f"weight source disagrees with the manifest at entry {index}: declared {name!r} {shape}, "
+                         f"got {got_name!r} {tuple(tensor.shape)}")
+    return tensor
+
+
+def _copy_into(buffer: torch.Tensor, offset: int, size: int, dtype: torch.dtype, tensor: torch.Tensor) -> None:
+    """`tensor` cast to `dtype` into the bytes [offset, offset + size) of `buffer`: one cast-copy kernel into a
+    typed view, or where a packed bucket puts the tensor at an offset its dtype cannot view, cast then byte copy."""
+    raw = buffer[offset:offset + size]
+    if offset % dtype.itemsize == 0:
+        raw.view(dtype).view(tensor.shape).copy_(tensor)
+    else:
+        raw.copy_(tensor.to(dtype).contiguous().view(-1).view(torch.uint8))
 
 
 def _offsets(sizes: list[int], align: int) -> list[int]:

@@ -113,6 +113,29 @@ def test_update_info_is_what_vllms_ipc_engine_parses(monkeypatch, layout):
     assert engine.parse_init_info({"packed": True}).packed is True and engine.parse_init_info({}).packed is False
 
 
+def test_fill_casts_uncast_sources_and_misaligned_slots_byte_for_byte():
+    """The sync fills buckets from the plan's uncast tensors (cast=False): the bytes must be those of the cast
+    ones; a packed bucket can put a tensor where its dtype cannot view (odd bf16 size before a float32)."""
+    plan = build_plan(small_model(), torch.bfloat16)
+    manifest = plan.manifest
+    dtypes = [getattr(torch, d) for d in manifest["dtype_names"]]
+    sizes = [t.numel() * 2 for _, t in plan.iter_tensors()]
+    channel = ipc.IpcChannel(control=None, layout=ipc.PACKED, uuid="u", bucket_bytes=1 << 30, timeout=5, device=None)
+    indices = range(len(sizes))
+    cast, _ = channel._fill(plan.iter_tensors(), manifest, indices, sizes, dtypes)
+    uncast, _ = channel._fill(plan.iter_tensors(cast=False), manifest, indices, sizes, dtypes)
+    assert any(t.dtype == torch.float32 for _, t in plan.iter_tensors(cast=False))  # the cast is really the fill's
+    assert torch.equal(cast, uncast)
+    odd = {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[3], [2, 2]]}
+    a, b = torch.randn(3), torch.randn(2, 2)
+    buffer, offsets = channel._fill(iter([("a", a), ("b", b)]), odd, range(2), [6, 16], [torch.bfloat16, torch.float32])
+    assert offsets == [0, 6]
+    assert torch.equal(buffer[:6].view(torch.bfloat16), a.to(torch.bfloat16)) and torch.equal(
+        buffer[6:].clone().view(torch.float32).view(2, 2), b)
+    with pytest.raises(ValueError, match="disagrees with the manifest at entry 1"):
+        channel._fill(iter([("a", a), ("c", b)]), odd, range(2), [6, 16], [torch.bfloat16, torch.float32])
+
+
 def test_vllm_refuses_pickled_handles_without_the_insecure_switch(monkeypatch):
     engine = vllm_ipc_engine()
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
@@ -386,3 +409,34 @@ def test_ipc_bucket_size_is_a_run_option(fake_ipc):
         finally:
             server.stop()
     assert counts[64] == 1 < counts[1], counts
+
+
+def _one_rank_fsdp_plan(rank: int, init_file: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        model = small_model(seed=3)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        plan = build_plan(model, torch.bfloat16)
+        assert plan.has_dtensors
+        DTensor.full_tensor = None  # a one-process mesh holds every tensor whole: no gather may be needed
+        torch.save({"cast": dict(plan.iter_tensors()), "uncast": dict(plan.iter_tensors(cast=False))}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_one_process_fsdp2_plan_reads_local_shards_equal_to_the_plain_model(tmp_path):
+    """World 1 FSDP2 (the one-GPU trainer): the plan yields the unsharded model's tensors without a gather."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_one_rank_fsdp_plan, args=(str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=1, join=True)
+    got = torch.load(tmp_path / "out.pt")
+    want = build_plan(small_model(seed=3), torch.bfloat16)
+    assert list(got["cast"]) == [n for n, _ in want.iter_tensors()]
+    for name, tensor in want.iter_tensors(cast=False):
+        assert torch.equal(got["uncast"][name], tensor) and got["uncast"][name].dtype == torch.float32, name
+        assert torch.equal(got["cast"][name], tensor.to(torch.bfloat16)), name
