@@ -18,6 +18,8 @@
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
 #   GPU_TESTS=1            also `pytest -m gpu tests/test_gpu_ipc.py` against the server (needs pytest there)
 #   CHECK_TREE=1 SERVER_BENCH=1 THEN_BENCH="..." TRAIN_FLAGS="..." SERVE_FLAGS="..." (as before)
+#   EXTRA_SITE=/tmp/site_fla  a folder put first on the trainer's and the checks' PYTHONPATH (not the server's):
+#                          e.g. fla-core, to run the loop with it installed
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_e2e}; mkdir -p "$OUT"
@@ -72,10 +74,15 @@ else  # a machine with `pip install -r requirements.txt && pip install -e .` don
 fi
 export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-}
-KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny (SERVE_FLAGS="--language-model-only --enforce-eager")
+KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny, qwen3.5-2b (SERVE_FLAGS="--language-model-only --enforce-eager")
 if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at a public shape, Qwen-style tokenizer
-  python3 .gpuvllm/make_models.py /tmp/models "$KIND" --device cuda > "$OUT/make_models.log" 2>&1 \
+  SMALL=$KIND; [ "$KIND" = qwen3.5-2b ] && SMALL=qwen3.5-tiny  # its tokenizer and config, at the 2B widths
+  python3 .gpuvllm/make_models.py /tmp/models "$SMALL" --device cuda > "$OUT/make_models.log" 2>&1 \
     || { tail "$OUT/make_models.log"; exit 1; }
+  if [ "$KIND" = qwen3.5-2b ]; then
+    python3 scripts/make_served_model.py Qwen3.5-2B /tmp/models/qwen3.5-2b --like /tmp/models/qwen3.5-tiny \
+      2>&1 | tail -1 | tee -a "$OUT/make_models.log" || exit 1
+  fi
   MODEL=/tmp/models/$KIND
 fi
 [ -n "$MODEL" ] || { echo "set MODEL=<local model dir or hub id> (e.g. MODEL=Qwen/Qwen3-0.6B)"; exit 2; }
@@ -114,7 +121,7 @@ printf '{"mps": "%s", "weight_transfer": "%s", "gpu_util": %s, "max_len": %s, "t
   "$MPS" "$WEIGHT_TRANSFER" "$GPUVLLM_GPU_UTIL" "$MAXLEN" "$TOKEN_BUDGET" "$GRAD_ACCUM" "$STEPS" > "$OUT/setup.json"
 
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
-  python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --tree 2>&1 \
+  PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --tree 2>&1 \
     | grep -v "Loading\|Writing" | tee "$OUT/check_tree.log" | tail -4
 fi
 if [ -n "${SERVER_BENCH:-}" ] && [ -f .gpuvllm/bench.py ]; then
@@ -133,7 +140,7 @@ run() {  # run WORKLOAD NAME MAX_STALENESS
   local t0=$SECONDS dir=$RUNS/$1/$2 loop=()
   [ "$1" = longtail ] && loop=(--loop-cls gpu_overlap:LongTailLoop)
   mkdir -p "$OUT/$1/$2"
-  timeout "${RUN_TIMEOUT_S:-300}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
+  PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH timeout "${RUN_TIMEOUT_S:-300}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
     --vllm-server-base-url "$URL" --weight-transfer "$WEIGHT_TRANSFER" --num-generations 8 \
     --max-completion-length "$MAXLEN" --token-budget "$TOKEN_BUDGET" --gradient-accumulation-steps "$GRAD_ACCUM" \
     --learning-rate 5e-5 --max-steps "$STEPS" --save-steps "$STEPS" --max-staleness "$3" --output-dir "$dir" \
@@ -146,7 +153,7 @@ run() {  # run WORKLOAD NAME MAX_STALENESS
   return $rc
 }
 check() {  # check WORKLOAD NAME MAX_STALENESS [--compare-with RUN]: right after the run, while the server holds its weights
-  python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --run "$RUNS/$1/$2" --max-staleness "$3" \
+  PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --run "$RUNS/$1/$2" --max-staleness "$3" \
     --steps "$STEPS" "${@:4}" 2>&1 | grep -v "Loading\|Writing" | tee "$OUT/$1/check_$2.log"
 }
 for W in $WORKLOADS; do
