@@ -12,7 +12,8 @@
 #   MPS=off|shared|split   CUDA MPS daemon for server + trainers (split: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 each);
 #                          started here (root), stopped at exit
 #   WORKLOADS="fixed"      any of: fixed (every completion MAXLEN tokens), longtail (10 % to MAXLEN, the rest short)
-#   TRAIN=1 BENCH=1        the async+sync runs / the overlap bench, per workload (BENCH="fixed": that workload only)
+#   TRAIN=1 BENCH=1        the async+sync runs / the overlap bench, per workload (BENCH="fixed": that workload only;
+#                          TRAIN likewise)
 #   STEPS=20 MAXLEN=384 TOKEN_BUDGET=16384 GRAD_ACCUM=2 WARMUP=3 (steps left out of the steady state)
 #   WEIGHT_TRANSFER=ipc    or cpu_file (the previous one-GPU path: safetensors through /dev/shm), auto
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
@@ -73,17 +74,17 @@ else  # a machine with `pip install -r requirements.txt && pip install -e .` don
   vllm_stop() { kill "$(cat "$OUT/vllm_$1.pid")" 2>/dev/null; }
 fi
 export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
-MODEL=${MODEL:-}
+MODEL=${MODEL:-}; MODELS=${MODELS:-/tmp/models}  # where random-weight models are built (one per concurrent run)
 KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny, qwen3.5-2b (SERVE_FLAGS="--language-model-only --enforce-eager")
 if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at a public shape, Qwen-style tokenizer
   SMALL=$KIND; [ "$KIND" = qwen3.5-2b ] && SMALL=qwen3.5-tiny  # its tokenizer and config, at the 2B widths
-  python3 .gpuvllm/make_models.py /tmp/models "$SMALL" --device cuda > "$OUT/make_models.log" 2>&1 \
+  python3 .gpuvllm/make_models.py "$MODELS" "$SMALL" --device cuda > "$OUT/make_models.log" 2>&1 \
     || { tail "$OUT/make_models.log"; exit 1; }
   if [ "$KIND" = qwen3.5-2b ]; then
-    python3 scripts/make_served_model.py Qwen3.5-2B /tmp/models/qwen3.5-2b --like /tmp/models/qwen3.5-tiny \
+    python3 scripts/make_served_model.py Qwen3.5-2B "$MODELS/qwen3.5-2b" --like "$MODELS/qwen3.5-tiny" \
       2>&1 | tail -1 | tee -a "$OUT/make_models.log" || exit 1
   fi
-  MODEL=/tmp/models/$KIND
+  MODEL=$MODELS/$KIND
 fi
 [ -n "$MODEL" ] || { echo "set MODEL=<local model dir or hub id> (e.g. MODEL=Qwen/Qwen3-0.6B)"; exit 2; }
 
@@ -158,7 +159,7 @@ check() {  # check WORKLOAD NAME MAX_STALENESS [--compare-with RUN]: right after
 }
 for W in $WORKLOADS; do
   mkdir -p "$OUT/$W"
-  if [ "${TRAIN:-1}" = 1 ]; then
+  if [ "${TRAIN:-1}" = 1 ] || [[ " ${TRAIN:-} " == *" $W "* ]]; then
     run "$W" async 4 && check "$W" async 4
     [ -n "${ASYNC_ONLY:-}" ] || { run "$W" sync 0 && check "$W" sync 0 --compare-with "$RUNS/$W/async"; }
   fi
