@@ -180,28 +180,10 @@ def pack_samples(samples: list[TrainingSample], share_prefixes: bool = True) -> 
     order, parent, sub_end = _layout(roots)
     seg_index = {id(seg): i for i, seg in enumerate(order)}
 
-    seg_len = np.array([seg.end - seg.start for seg in order], dtype=np.int64)  # [S]
-    cu_q = np.zeros(len(order) + 1, dtype=np.int64)
-    np.cumsum(seg_len, out=cu_q[1:])
-    input_ids = np.concatenate([tokens[seg.owner][seg.start:seg.end] for seg in order])  # [N]
-    seg_of_token = np.repeat(np.arange(len(order)), seg_len)  # [N]
-    offset_in_seg = np.arange(len(input_ids)) - cu_q[seg_of_token]
-    depth_start = np.array([seg.start for seg in order], dtype=np.int64)
-    position_ids = depth_start[seg_of_token] + offset_in_seg  # [N]
-
-    paths: list[np.ndarray] = []
-    for i, seg in enumerate(order):  # parents precede children, so their path is ready
-        own = np.arange(cu_q[i], cu_q[i + 1])
-        paths.append(own if parent[i] < 0 else np.concatenate([paths[parent[i]], own]))
-    path_len = np.array([len(p) for p in paths], dtype=np.int64)
-    cu_k = np.zeros(len(order) + 1, dtype=np.int64)
-    np.cumsum(path_len, out=cu_k[1:])
-
+    seg_len, cu_q, input_ids, seg_of_token, position_ids = _flatten(order, tokens)
+    paths, path_len, cu_k = _attention_paths(parent, cu_q)
     parent_arr = np.array(parent, dtype=np.int64)
-    token_pred = np.arange(len(input_ids)) - 1
-    seg_first = cu_q[:-1]
-    parent_last = np.where(parent_arr >= 0, cu_q[np.maximum(parent_arr, 0) + 1] - 1, -1)
-    token_pred[seg_first] = parent_last
+    token_pred = _token_predecessors(parent_arr, cu_q, len(input_ids))
     subtree_end = np.asarray(sub_end, dtype=np.int64)[seg_of_token]
 
     leaf_ids = [seg_index[id(seg)] for seg in leaves]
@@ -231,6 +213,42 @@ def pack_samples(samples: list[TrainingSample], share_prefixes: bool = True) -> 
     )
     row.sample_leaf = tuple(leaf_ids)
     return row
+
+
+def _flatten(order: list[_Segment], tokens: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Segments laid out back to back: (segment lengths [S], segment bounds cu_q [S+1], input_ids [N], segment of
+    every token [N], trie depth of every token [N])."""
+    seg_len = np.array([seg.end - seg.start for seg in order], dtype=np.int64)  # [S]
+    cu_q = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(seg_len, out=cu_q[1:])
+    input_ids = np.concatenate([tokens[seg.owner][seg.start:seg.end] for seg in order])  # [N]
+    seg_of_token = np.repeat(np.arange(len(order)), seg_len)  # [N]
+    offset_in_seg = np.arange(len(input_ids)) - cu_q[seg_of_token]
+    depth_start = np.array([seg.start for seg in order], dtype=np.int64)
+    position_ids = depth_start[seg_of_token] + offset_in_seg  # [N]
+    return seg_len, cu_q, input_ids, seg_of_token, position_ids
+
+
+def _attention_paths(parent: list[int], cu_q: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Each segment's root-to-segment path of packed positions: (paths, path lengths [S], path bounds cu_k [S+1])."""
+    paths: list[np.ndarray] = []
+    for i in range(len(parent)):  # parents precede children, so their path is ready
+        own = np.arange(cu_q[i], cu_q[i + 1])
+        paths.append(own if parent[i] < 0 else np.concatenate([paths[parent[i]], own]))
+    path_len = np.array([len(p) for p in paths], dtype=np.int64)
+    cu_k = np.zeros(len(parent) + 1, dtype=np.int64)
+    np.cumsum(path_len, out=cu_k[1:])
+    return paths, path_len, cu_k
+
+
+def _token_predecessors(parent_arr: np.ndarray, cu_q: np.ndarray, n: int) -> np.ndarray:
+    """[N] packed index of the previous token on each token's own path: the token before it in its segment, the
+    parent segment's last token at a segment start, -1 at a root start."""
+    token_pred = np.arange(n) - 1
+    seg_first = cu_q[:-1]
+    parent_last = np.where(parent_arr >= 0, cu_q[np.maximum(parent_arr, 0) + 1] - 1, -1)
+    token_pred[seg_first] = parent_last
+    return token_pred
 
 
 def _int_array(values) -> np.ndarray:

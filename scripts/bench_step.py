@@ -164,71 +164,115 @@ def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -
 
 
 def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, info) -> dict:
+    """One row of the table: build the policy for `overrides`, run `--warmup` + `--steps` trainer steps on the
+    `ratio` workload in `mode` (two more under the profiler with --profile, first case only), return the figures."""
     import torch
 
-    from grpo.batcher import TokenBudgetBatcher
     from grpo.config import AsyncGRPOConfig
-    from grpo.distributed import broadcast_object
-    from grpo.flops import device_peak_flops, mfu, training_flops
-    from grpo.losses import loss_function
     from grpo.policy import build_policy
-    from grpo.step import optimizer_step, policy_module, train_micro_batch
-    from grpo.step_metrics import resolve_metrics
 
     config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=args.token_budget),
                                  **overrides)
     cuda = info.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    case = {"shape": args.shape, "ratio": ratio, "mode": mode, "overrides": overrides, "ranks": info.world_size}
     with plain_packing() if mode == "plain" else contextlib.nullcontext():
         t_build = time.perf_counter()
         model, policy, optimizer, scheduler, autocast = build_policy(config, info, args.token_budget)
         build_s = time.perf_counter() - t_build
-        loss_fn = loss_function(config.loss)
-        batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
         vocab = model.config.get_text_config().vocab_size
         top_k = config.num_sampler_logprobs  # what the loss declared it needs
-        # generated before timing: train.py gets its samples ready-made from the rollout worker
         profiler = _profiler(args.profile and not _PROFILED)
-        per_step = 3 * args.token_budget // 1068 + 16
-        source = iter(list(itertools.islice(synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k),
-                                            per_step * (args.warmup + args.steps + 3))))
-
-        totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0)
-        for step in range(args.warmup + args.steps + (2 if profiler is not None else 0)):
-            if step == args.warmup + args.steps:  # two extra steps under the profiler, after the timed ones
-                profiler.__enter__()
-            t0 = time.perf_counter()
-            plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
-            m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
-                                  autocast, config.max_completion_length)
-            _, opt_s, _ = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
-            m = resolve_metrics([m])[0]
-            if cuda:
-                torch.cuda.synchronize()
-            if step < args.warmup or step >= args.warmup + args.steps:
-                continue
-            totals["wall"] += time.perf_counter() - t0
-            totals["trained"] += plan.trained_tokens
-            totals["raw"] += sum(len(s) for r in plan.rows for s in r)
-            totals["forwarded"] += m["_forwarded"]
-            totals["attended"] += m["_attended_keys"]
-            totals["head"] += m["_head_tokens"]
-            totals["fwd"] += m["perf/fwd_s"]
-            totals["fwd_bwd"] += m["perf/fwd_bwd_s"]
-            totals["opt"] += opt_s
+        source = _ready_samples(vocab, ratio, top_k, args)
+        totals = _timed_steps((policy, optimizer, scheduler, autocast), config, info, source, profiler, args)
         if profiler is not None:
-            profiler.__exit__(None, None, None)
             _PROFILED.append(True)
-            print(f"PROFILE {args.shape} ratio {ratio} {mode} {overrides or 'defaults'} (2 steps)")
-            sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-            print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
-            print_copy_sites(profiler, sort)
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    n = args.steps
+            _print_profile(profiler, f"{args.shape} ratio {ratio} {mode} {overrides or 'defaults'}", cuda)
+    result = _case_result(case, totals, build_s, model, policy, info, args.steps)
+    del model, policy, optimizer, scheduler
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _ready_samples(vocab: int, ratio: float, top_k: int, args):
+    """All the run's samples, generated before timing (train.py gets its samples ready-made from the rollout
+    worker): shared prompts when `ratio` > 1.5."""
+    per_step = 3 * args.token_budget // 1068 + 16
+    return iter(list(itertools.islice(synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k),
+                                      per_step * (args.warmup + args.steps + 3))))
+
+
+def _timed_steps(trainer: tuple, config, info, source, profiler, args) -> dict:
+    """`--warmup` + `--steps` trainer steps (two more under `profiler` when given, after the timed ones); sums over
+    the timed steps: tokens (trained, forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, wall)."""
+    import torch
+
+    from grpo.batcher import TokenBudgetBatcher
+    from grpo.losses import loss_function
+
+    loss_fn = loss_function(config.loss)
+    batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
+    totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0)
+    for step in range(args.warmup + args.steps + (2 if profiler is not None else 0)):
+        if step == args.warmup + args.steps:  # two extra steps under the profiler, after the timed ones
+            profiler.__enter__()
+        t0 = time.perf_counter()
+        plan, m, opt_s = _train_step(trainer, config, loss_fn, batcher, source, info)
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        if step < args.warmup or step >= args.warmup + args.steps:
+            continue
+        totals["wall"] += time.perf_counter() - t0
+        totals["trained"] += plan.trained_tokens
+        totals["raw"] += sum(len(s) for r in plan.rows for s in r)
+        totals["forwarded"] += m["_forwarded"]
+        totals["attended"] += m["_attended_keys"]
+        totals["head"] += m["_head_tokens"]
+        totals["fwd"] += m["perf/fwd_s"]
+        totals["fwd_bwd"] += m["perf/fwd_bwd_s"]
+        totals["opt"] += opt_s
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    return totals
+
+
+def _train_step(trainer: tuple, config, loss_fn, batcher, source, info):
+    """One step as train.py runs it: rank 0 plans the micro-batch and broadcasts it, every rank trains its row,
+    then the optimizer step. Returns (plan, resolved step metrics, optimizer seconds)."""
+    from grpo.distributed import broadcast_object
+    from grpo.step import optimizer_step, train_micro_batch
+    from grpo.step_metrics import resolve_metrics
+
+    policy, optimizer, scheduler, autocast = trainer
+    plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
+    m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
+                          autocast, config.max_completion_length)
+    _, opt_s, _ = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
+    return plan, resolve_metrics([m])[0], opt_s
+
+
+def _print_profile(profiler, label: str, cuda: bool) -> None:
+    print(f"PROFILE {label} (2 steps)")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+    print_copy_sites(profiler, sort)
+
+
+def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, n: int) -> dict:
+    """`case` (shape, ratio, mode, overrides, ranks) plus the figures of its `n` timed steps' `totals`; peak memory
+    is read first, before the head is timed on its own."""
+    import torch
+
+    from grpo.flops import device_peak_flops, mfu, training_flops
+    from grpo.step import policy_module
+
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else float("nan")
     flops = training_flops(model.config, totals["forwarded"], totals["attended"], totals["head"])
-    result = {
-        "shape": args.shape, "ratio": ratio, "mode": mode, "overrides": overrides, "ranks": info.world_size,
+    return {
+        **case,
         "packing_ratio": totals["raw"] / max(totals["forwarded"], 1),
         "trained_tok_s": totals["trained"] / totals["wall"],
         "forwarded_tok_s": totals["forwarded"] * info.world_size / totals["wall"],
@@ -242,11 +286,6 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
                            policy_module(policy).fused_head), "opt_ms": 1e3 * totals["opt"] / n,
         "host_ms": 1e3 * (totals["wall"] - totals["fwd_bwd"] - totals["opt"]) / n,
     }
-    del model, policy, optimizer, scheduler
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return result
 
 
 _PROFILED: list = []

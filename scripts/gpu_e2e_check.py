@@ -189,7 +189,7 @@ def report(out: Path, warmup: int, sync_target_s: float) -> int:
     return 1 if failed else 0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--report", type=Path, default=None, help="print the one-GPU summary of a gpu_e2e.sh output dir")
     p.add_argument("--warmup", type=int, default=3, help="--report: steps per run excluded from the steady state")
@@ -204,22 +204,16 @@ def main() -> int:
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="the run's --max-steps (required without --tree)")
     args = p.parse_args()
-    if args.report is not None:
-        return report(args.report, args.warmup, args.sync_target_s)
-    if args.server is None or args.initial is None:
+    if args.report is None and (args.server is None or args.initial is None):
         p.error("--server and --initial are required (or --report)")
-    results: list[tuple[str, bool, str]] = []
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        results.append((name, bool(ok), detail))
-        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
-
-    if args.tree:
-        ok, detail = tree_check(args.server, args.initial)
-        print(f"{'PASS' if ok else 'FAIL'} server == trainer's tree-packed forward (bf16 tolerance): {detail}")
-        return 0 if ok else 1
-    if args.run is None or args.steps is None:
+    if args.report is None and not args.tree and (args.run is None or args.steps is None):
         p.error("--run and --steps are required (or --tree)")
+    return args
+
+
+def check_run(args, check) -> dict:
+    """The run's own record: rollouts flowed, the trainer trained, a weight sync per step, staleness within its
+    bound, metrics written. Returns the run's `summary`."""
     rows = metrics(args.run)
     s = summary(args.run)
     check("rollouts flow", len(rows) == args.steps and s["gen_tok_s"] > 0,
@@ -235,6 +229,11 @@ def main() -> int:
           f"sample/staleness_max {s['staleness_max']} <= {args.max_staleness}")
     check("metrics written", (args.run / "metrics.jsonl").exists() and any((args.run / "tensorboard").glob("*")),
           "metrics.jsonl + tensorboard events")
+    return s
+
+
+def check_final_sync(args, check) -> None:
+    """The server (holding the last synced weights) against the run's final checkpoint, read from the outside."""
     final = sorted(args.run.glob("checkpoint-*"), key=lambda q: int(q.name.split("-")[1]))[-1]
     ids = PROMPT + COMPLETION
     served = server_logprobs(args.server, str(args.initial), ids)
@@ -245,16 +244,38 @@ def main() -> int:
           d_trained.mean() <= 2 * noise + 0.01 and d_trained.mean() < 0.5 * d_initial.mean(),
           f"|server - {final.name}| mean {d_trained.mean():.4f} max {d_trained.max():.4f} (bf16 floor "
           f"{noise:.4f}); |server - initial model| mean {d_initial.mean():.4f}")
+
+
+def print_comparison(s: dict, c: dict) -> None:
+    """The async run's summary `s` next to this synchronous run's `c`."""
+    keys = list(s)
+    print("\nasync vs sync (same model, steps, data):")
+    print(" | ".join(f"{k}" for k in keys))
+    for r in (s, c):
+        print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    print(f"wall-time ratio sync/async: {c['wall_s'] / s['wall_s']:.2f}x; "
+          f"train-loop ratio: {c['train_loop_s'] / s['train_loop_s']:.2f}x")
+    print("SUMMARY " + json.dumps({"async": s, "sync": c}))
+
+
+def main() -> int:
+    args = parse_args()
+    if args.report is not None:
+        return report(args.report, args.warmup, args.sync_target_s)
+    if args.tree:
+        ok, detail = tree_check(args.server, args.initial)
+        print(f"{'PASS' if ok else 'FAIL'} server == trainer's tree-packed forward (bf16 tolerance): {detail}")
+        return 0 if ok else 1
+    results: list[tuple[str, bool, str]] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        results.append((name, bool(ok), detail))
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+    s = check_run(args, check)
+    check_final_sync(args, check)
     if args.compare_with is not None:
-        s, c = summary(args.compare_with), s  # c: this synchronous run
-        keys = list(s)
-        print("\nasync vs sync (same model, steps, data):")
-        print(" | ".join(f"{k}" for k in keys))
-        for r in (s, c):
-            print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
-        print(f"wall-time ratio sync/async: {c['wall_s'] / s['wall_s']:.2f}x; "
-              f"train-loop ratio: {c['train_loop_s'] / s['train_loop_s']:.2f}x")
-        print("SUMMARY " + json.dumps({"async": s, "sync": c}))
+        print_comparison(summary(args.compare_with), s)  # s: this synchronous run
     failed = [n for n, ok, _ in results if not ok]
     print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0

@@ -31,6 +31,7 @@ import statistics
 import sys
 import multiprocessing
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ def split(times: list[float], warmup: int) -> dict:
             "steady_n": len(steady), "all_s": times}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", required=True)
     p.add_argument("--model", required=True, help="the model directory the server serves (also the trainer's)")
@@ -145,48 +146,52 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per phase (after the warm-up ones)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    return p.parse_args()
 
-    import dataclasses
 
-    import httpx
-    import torch
+def step_requests(step: list, prompt_len: int) -> list[tuple[list[int], int]]:
+    """A step's rollouts (its micro-batch plans' samples, the batcher's dummy padding left out) as (prompt ids,
+    completion length) requests."""
+    return [(s.input_ids[:prompt_len], len(s) - prompt_len)
+            for plan in step for s in plan.rows[0] if s.group_id >= 0]
 
+
+def planned_steps(args, budget: int, vocab: int, top_k: int, count: int) -> list[list]:
+    """`count` training steps, each `--grad-accum` micro-batch plans closed by the real batcher (seed 0)."""
     from bench_step import next_plan
     from grpo.batcher import TokenBudgetBatcher
-    from grpo.config import AsyncGRPOConfig
-    from grpo.distributed import init_distributed
+
+    source = sample_stream(args.workload, args.max_len, args.prompt_len, args.generations, vocab, top_k)
+    batcher = TokenBudgetBatcher(budget, 1)
+    return [[next_plan(batcher, source) for _ in range(args.grad_accum)] for _ in range(count)]
+
+
+def fresh_requests(args, budget: int, vocab: int, top_k: int) -> Callable[[], list]:
+    """Generation's own workload (seed 1): each call returns `--in-flight` fresh steps' requests (no prompt in the
+    prefix cache yet)."""
+    from bench_step import next_plan
+    from grpo.batcher import TokenBudgetBatcher
+
+    source = sample_stream(args.workload, args.max_len, args.prompt_len, args.generations, vocab, top_k, seed=1)
+    batcher = TokenBudgetBatcher(budget, 1)
+
+    def gen_requests() -> list:
+        return [r for _ in range(args.in_flight * args.grad_accum)
+                for r in step_requests([next_plan(batcher, source)], args.prompt_len)]
+
+    return gen_requests
+
+
+def make_train_step(config, policy, optimizer, scheduler, autocast) -> Callable[[list], float]:
+    """train.py's step on a step's plans: `train_micro_batch` per plan, then `optimizer_step`; returns its seconds
+    (device synchronised before and after)."""
+    import torch
+
     from grpo.losses import loss_function
-    from grpo.policy import build_policy
     from grpo.step import optimizer_step, train_micro_batch
     from grpo.step_metrics import resolve_metrics
 
-    budget = args.token_budget or int(httpx.get(f"{args.server}/v1/models", timeout=30).json()["data"][0][
-        "max_model_len"])
-    config = dataclasses.replace(AsyncGRPOConfig(model=args.model, token_budget=budget),
-                                 max_completion_length=args.max_len, num_generations=args.generations)
-    info = init_distributed()
-    model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget)
     loss_fn = loss_function(config.loss)
-    top_k = config.num_sampler_logprobs
-    vocab = model.config.get_text_config().vocab_size
-    source = sample_stream(args.workload, args.max_len, args.prompt_len, args.generations, vocab, top_k)
-    batcher = TokenBudgetBatcher(budget, 1)
-    n, k = args.warmup + args.reps, args.in_flight
-    steps = [[next_plan(batcher, source) for _ in range(args.grad_accum)] for _ in range(3 * n + 4)]
-
-    def requests(step):
-        return [(s.input_ids[:args.prompt_len], len(s) - args.prompt_len)
-                for plan in step for s in plan.rows[0] if s.group_id >= 0]
-
-    gen_source = sample_stream(args.workload, args.max_len, args.prompt_len, args.generations, vocab, top_k, seed=1)
-    gen_batcher = TokenBudgetBatcher(budget, 1)
-
-    def gen_requests() -> list:  # `k` fresh steps' rollouts (no prompt in the prefix cache yet)
-        return [r for _ in range(k * args.grad_accum) for r in requests([next_plan(gen_batcher, gen_source)])]
-
-    def gen_rep() -> float:  # seconds per step, `k` steps in flight
-        return generate_step(args.server, args.model, gen_requests(), top_k) / k
 
     def device_sync() -> None:
         if torch.cuda.is_available():
@@ -202,16 +207,20 @@ def main() -> None:
         device_sync()
         return time.perf_counter() - t0
 
-    gen_alone = [gen_rep() for _ in range(n)]
-    train_alone = [train_step(steps[i]) for i in range(n)]
+    return train_step
 
-    # Both at once: generation from its own process, as train.py's rollout worker (its HTTP and JSON work must not
-    # share this process's GIL with the trainer's kernel launches).
+
+def concurrent_times(args, gen_reps: list, top_k: int, train_step, steps: list,
+                     n: int) -> tuple[list[float], list[float]]:
+    """Both loops at once until each has `n` repetitions: generation from its own process, as train.py's rollout
+    worker (its HTTP and JSON work must not share this process's GIL with the trainer's kernel launches), over
+    `gen_reps`; training here, over `steps`. Returns the seconds per step of the repetitions (generation,
+    training) that finished while the other loop was still running."""
     done = {"gen": [], "train": []}  # (seconds, wall-clock end) per repetition while both loops run
     context = multiprocessing.get_context("spawn")
     stop, results = context.Event(), context.Queue()
     worker = context.Process(target=_gen_worker, daemon=True, args=(
-        args.server, args.model, [gen_requests() for _ in range(3 * n)], k, top_k, stop, results))
+        args.server, args.model, gen_reps, args.in_flight, top_k, stop, results))
     worker.start()
     first = results.get(timeout=600)  # the worker is up and has finished its first repetition
     done["gen"].append(first)
@@ -227,23 +236,65 @@ def main() -> None:
     while not results.empty():
         done["gen"].append(results.get())
     both_until = min(done["gen"][-1][1], done["train"][-1][1])
-    gen_c = [s for s, end in done["gen"] if end <= both_until]
-    train_c = [s for s, end in done["train"] if end <= both_until]
+    return ([s for s, end in done["gen"] if end <= both_until],
+            [s for s, end in done["train"] if end <= both_until])
 
-    g, t = split(gen_alone, args.warmup), split(train_alone, args.warmup)
-    gc_, tc = split(gen_c, args.warmup), split(train_c, args.warmup)
-    G, T, Gc, Tc = g["steady_s"], t["steady_s"], gc_["steady_s"], tc["steady_s"]
-    step_tokens = [sum(m for _, m in requests(step)) for step in steps[:n]]
-    result = {"workload": args.workload, "max_len": args.max_len, "token_budget": budget,
-              "grad_accum": args.grad_accum, "in_flight": k,
-              "rollouts_per_step": statistics.mean(len(requests(step)) for step in steps[:n]),
-              "completion_tokens_per_step": statistics.mean(step_tokens), "num_sampler_logprobs": top_k,
-              "G": G, "T": T, "G_c": Gc, "T_c": Tc, "L": (G + T) / max(G, T), "L_c": (G + T) / max(Gc, Tc),
-              "phases": {"gen_alone": g, "train_alone": t, "gen_concurrent": gc_, "train_concurrent": tc}}
-    print(f"OVERLAP {args.workload}: G {G:.3f} s, T {T:.3f} s alone; G_c {Gc:.3f} s, T_c {Tc:.3f} s together "
+
+def overlap_result(args, budget: int, top_k: int, steps: list, times: dict[str, list[float]]) -> dict:
+    """The JSON result: the workload, per-step sizes of the timed `steps`, G, T, G_c, T_c, L, L_c and every phase's
+    repetitions (`times`: gen_alone, train_alone, gen_concurrent, train_concurrent)."""
+    phases = {name: split(seconds, args.warmup) for name, seconds in times.items()}
+    G, T, Gc, Tc = (phases[name]["steady_s"] for name in
+                    ("gen_alone", "train_alone", "gen_concurrent", "train_concurrent"))
+    step_tokens = [sum(m for _, m in step_requests(step, args.prompt_len)) for step in steps]
+    return {"workload": args.workload, "max_len": args.max_len, "token_budget": budget,
+            "grad_accum": args.grad_accum, "in_flight": args.in_flight,
+            "rollouts_per_step": statistics.mean(len(step_requests(step, args.prompt_len)) for step in steps),
+            "completion_tokens_per_step": statistics.mean(step_tokens), "num_sampler_logprobs": top_k,
+            "G": G, "T": T, "G_c": Gc, "T_c": Tc, "L": (G + T) / max(G, T), "L_c": (G + T) / max(Gc, Tc),
+            "phases": phases}
+
+
+def print_result(result: dict) -> None:
+    g, t, gc_, tc = (result["phases"][name] for name in
+                     ("gen_alone", "train_alone", "gen_concurrent", "train_concurrent"))
+    print(f"OVERLAP {result['workload']}: G {result['G']:.3f} s, T {result['T']:.3f} s alone; G_c "
+          f"{result['G_c']:.3f} s, T_c {result['T_c']:.3f} s together "
           f"({gc_['steady_n']} / {tc['steady_n']} steady reps); L {result['L']:.2f}, L_c {result['L_c']:.2f}; "
           f"warm-up G {['%.2f' % x for x in g['warmup_s']]} T {['%.2f' % x for x in t['warmup_s']]}")
     print("RESULT " + json.dumps(result))
+
+
+def main() -> None:
+    args = parse_args()
+
+    import dataclasses
+
+    import httpx
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import init_distributed
+    from grpo.policy import build_policy
+
+    budget = args.token_budget or int(httpx.get(f"{args.server}/v1/models", timeout=30).json()["data"][0][
+        "max_model_len"])
+    config = dataclasses.replace(AsyncGRPOConfig(model=args.model, token_budget=budget),
+                                 max_completion_length=args.max_len, num_generations=args.generations)
+    info = init_distributed()
+    model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget)
+    top_k = config.num_sampler_logprobs
+    vocab = model.config.get_text_config().vocab_size
+    n, k = args.warmup + args.reps, args.in_flight
+    steps = planned_steps(args, budget, vocab, top_k, 3 * n + 4)
+    gen_requests = fresh_requests(args, budget, vocab, top_k)
+    train_step = make_train_step(config, policy, optimizer, scheduler, autocast)
+
+    gen_alone = [generate_step(args.server, args.model, gen_requests(), top_k) / k for _ in range(n)]
+    train_alone = [train_step(steps[i]) for i in range(n)]
+    gen_c, train_c = concurrent_times(args, [gen_requests() for _ in range(3 * n)], top_k, train_step, steps, n)
+    result = overlap_result(args, budget, top_k, steps[:n], {
+        "gen_alone": gen_alone, "train_alone": train_alone, "gen_concurrent": gen_c, "train_concurrent": train_c})
+    print_result(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
