@@ -262,14 +262,21 @@ class RolloutWorker:
             self._reader_stop.set()
             return
         self.shared.stop.set()
+        t0 = time.monotonic()
         self.process.join(timeout)  # the reader keeps draining meanwhile, so the worker never blocks on a full pipe
+        how = "on its own"
         if self.process.is_alive():
+            how = "terminated"
             self.process.terminate()
             self.process.join(5.0)
         if self.process.is_alive():
+            how = "killed"
             self.process.kill()
             self.process.join()
         self._reader_stop.set()
+        waited = time.monotonic() - t0
+        if waited > 5.0:
+            log.warning("the rollout worker took %.1f s to stop (%s)", waited, how)
 
     # ---- shared values -------------------------------------------------------------------------------------------
     def set_model_version(self, version: int) -> None:
