@@ -140,7 +140,8 @@ fi
 run() {  # run WORKLOAD NAME MAX_STALENESS
   local t0=$SECONDS dir=$RUNS/$1/$2 loop=()
   [ "$1" = longtail ] && loop=(--loop-cls gpu_overlap:LongTailLoop)
-  mkdir -p "$OUT/$1/$2"
+  mkdir -p "$OUT/$1/$2" "$dir"  # the metrics as they are written, for an archiver that follows links (tar -h)
+  ln -sf "$dir/metrics.jsonl" "$OUT/$1/$2/metrics.jsonl"
   PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH timeout "${RUN_TIMEOUT_S:-300}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
     --vllm-server-base-url "$URL" --weight-transfer "$WEIGHT_TRANSFER" --num-generations 8 \
     --max-completion-length "$MAXLEN" --token-budget "$TOKEN_BUDGET" --gradient-accumulation-steps "$GRAD_ACCUM" \
@@ -148,7 +149,7 @@ run() {  # run WORKLOAD NAME MAX_STALENESS
     "${loop[@]}" ${TRAIN_FLAGS:-} > "$OUT/$1/$2.log" 2>&1
   local rc=$?
   echo "{\"wall_s\": $((SECONDS - t0)), \"rc\": $rc}" > "$dir/wall.json"
-  cp "$dir/wall.json" "$dir/metrics.jsonl" "$OUT/$1/$2/" 2>/dev/null
+  rm -f "$OUT/$1/$2/metrics.jsonl"; cp "$dir/wall.json" "$dir/metrics.jsonl" "$OUT/$1/$2/" 2>/dev/null
   grep -m1 "weight transfer:" "$OUT/$1/$2.log"
   echo "run $1/$2 (max_staleness $3): rc $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || tail -30 "$OUT/$1/$2.log"
   return $rc
