@@ -73,7 +73,7 @@ else  # a machine with `pip install -r requirements.txt && pip install -e .` don
     tail -40 "$OUT/vllm_$1.log"; return 1; }
   vllm_stop() { kill "$(cat "$OUT/vllm_$1.pid")" 2>/dev/null; }
 fi
-export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1  # logs land as written: a call cut short keeps them
 MODEL=${MODEL:-}; MODELS=${MODELS:-/tmp/models}  # where random-weight models are built (one per concurrent run)
 KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny, qwen3.5-2b (SERVE_FLAGS="--language-model-only --enforce-eager")
 if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at a public shape, Qwen-style tokenizer
@@ -123,7 +123,7 @@ printf '{"mps": "%s", "weight_transfer": "%s", "gpu_util": %s, "max_len": %s, "t
 
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
   PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --tree 2>&1 \
-    | grep -v "Loading\|Writing" | tee "$OUT/check_tree.log" | tail -4
+    | grep --line-buffered -v "Loading\|Writing" | tee "$OUT/check_tree.log" | tail -4
 fi
 if [ -n "${SERVER_BENCH:-}" ] && [ -f .gpuvllm/bench.py ]; then
   python3 .gpuvllm/bench.py "$PORT" --out "$OUT/server_bench.json" > "$OUT/server_bench.log" 2>&1; tail -3 "$OUT/server_bench.log"
@@ -156,7 +156,7 @@ run() {  # run WORKLOAD NAME MAX_STALENESS
 }
 check() {  # check WORKLOAD NAME MAX_STALENESS [--compare-with RUN]: right after the run, while the server holds its weights
   PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --run "$RUNS/$1/$2" --max-staleness "$3" \
-    --steps "$STEPS" "${@:4}" 2>&1 | grep -v "Loading\|Writing" | tee "$OUT/$1/check_$2.log"
+    --steps "$STEPS" "${@:4}" 2>&1 | grep --line-buffered -v "Loading\|Writing" | tee "$OUT/$1/check_$2.log"
 }
 for W in $WORKLOADS; do
   mkdir -p "$OUT/$W"
