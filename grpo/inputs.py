@@ -46,7 +46,7 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
     from grpo.data import load_prompts, validate_prompts
     from grpo.imports import resolve_import
     from grpo.rewards import check_reward_columns, resolve_reward
-    from grpo.rollout_worker import check_picklable
+    from grpo.worker_process import check_picklable
     from grpo.tools import check_environment_names, check_tools, environment_gives_reward
 
     if config.num_generations < 2:  # else it starts, and every group is dropped for equal rewards

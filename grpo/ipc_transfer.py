@@ -198,11 +198,13 @@ class IpcChannel:
               dtypes: list[torch.dtype]) -> tuple[torch.Tensor, list[int]]:
         """Pull the bucket's tensors (this gathers them) into one fresh uint8 buffer: ([bytes], offsets). A source
         tensor in another dtype than the manifest's is cast by the copy into its typed slot of the buffer."""
+        from grpo.nccl_broadcast import checked_entry
+
         align = 1 if self.packed else PER_TENSOR_ALIGN  # packed: vLLM cuts tensor_sizes back to back
         offsets = _offsets([sizes[i] for i in indices], align)
         buffer = torch.empty(offsets[-1] + sizes[indices[-1]] if offsets else 0, dtype=torch.uint8, device=self.device)
         for i, offset in zip(indices, offsets):
-            tensor = _checked_source(next(source, None), manifest, i)
+            tensor = checked_entry(next(source, None), manifest, i)  # any dtype: the copy casts
             _copy_into(buffer, offset, sizes[i], dtypes[i], tensor)
             del tensor
         if buffer.is_cuda:
@@ -219,19 +221,6 @@ class IpcChannel:
                                       {self.uuid: share_handle(buffer)}, flag=self.layout == PACKED_PER_UPDATE)
         views = [buffer[o:o + sizes[i]].view(dtypes[i]).view(manifest["shapes"][i]) for i, o in zip(indices, offsets)]
         return per_tensor_update_info(names, dtype_names, shapes, [{self.uuid: share_handle(v)} for v in views])
-
-
-def _checked_source(item: tuple[str, torch.Tensor] | None, manifest: dict, index: int) -> torch.Tensor:
-    """The tensor, after checking it is the manifest's entry `index` by name and shape (its dtype is cast into
-    the slot; a divergence would make the server cut the bucket differently: garbage weights)."""
-    name, shape = manifest["names"][index], tuple(manifest["shapes"][index])
-    if item is None:
-        raise ValueError(f"weight source ended at manifest entry {index} ({name!r}); the server waits for the rest")
-    got_name, tensor = item
-    if got_name != name or tuple(tensor.shape) != shape:
-        raise ValueError(f"weight source disagrees with the manifest at entry {index}: declared {name!r} {shape}, "
-                         f"got {got_name!r} {tuple(tensor.shape)}")
-    return tensor
 
 
 def _copy_into(buffer: torch.Tensor, offset: int, size: int, dtype: torch.dtype, tensor: torch.Tensor) -> None:

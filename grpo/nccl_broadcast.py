@@ -253,18 +253,25 @@ def packed_broadcast_send(group: NcclGroup, named_tensors: Iterator[tuple[str, t
     return sent
 
 
-def _checked_flat(item: tuple[str, torch.Tensor] | None, manifest: dict, index: int,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """The tensor as flat uint8, after checking it is the manifest's entry `index` (a divergence would make the
-    two ends cut chunks differently: a hang or garbage weights)."""
+def checked_entry(item: tuple[str, torch.Tensor] | None, manifest: dict, index: int,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor, after checking it is the manifest's entry `index` by name, shape and (when given) dtype: a
+    divergence would make the two ends cut chunks differently, a hang or garbage weights."""
     name, shape = manifest["names"][index], tuple(manifest["shapes"][index])
     if item is None:
         raise ValueError(f"weight source ended at manifest entry {index} ({name!r}); the server waits for the rest")
     got_name, tensor = item
-    if got_name != name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-        raise ValueError(f"weight source disagrees with the manifest at entry {index}: declared {name!r} {dtype} "
-                         f"{shape}, got {got_name!r} {tensor.dtype} {tuple(tensor.shape)}")
-    return tensor.contiguous().view(-1).view(torch.uint8)
+    if got_name != name or (dtype is not None and tensor.dtype != dtype) or tuple(tensor.shape) != shape:
+        declared = f"{name!r} {shape}" if dtype is None else f"{name!r} {dtype} {shape}"
+        raise ValueError(f"weight source disagrees with the manifest at entry {index}: declared {declared}, "
+                         f"got {got_name!r} {tensor.dtype} {tuple(tensor.shape)}")
+    return tensor
+
+
+def _checked_flat(item: tuple[str, torch.Tensor] | None, manifest: dict, index: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The checked tensor (`checked_entry`) as flat uint8."""
+    return checked_entry(item, manifest, index, dtype).contiguous().view(-1).view(torch.uint8)
 
 
 def packed_broadcast_receive(group: NcclGroup, manifest: dict, buffer_size_bytes: int, num_buffers: int,

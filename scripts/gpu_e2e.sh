@@ -74,6 +74,7 @@ else  # a machine with `pip install -r requirements.txt && pip install -e .` don
   vllm_stop() { kill "$(cat "$OUT/vllm_$1.pid")" 2>/dev/null; }
 fi
 export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1  # logs land as written: a call cut short keeps them
+TRAINER_PATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH  # the trainer's and the checks' path (not the server's)
 MODEL=${MODEL:-}; MODELS=${MODELS:-/tmp/models}  # where random-weight models are built (one per concurrent run)
 KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny, qwen3.5-2b (SERVE_FLAGS="--language-model-only --enforce-eager")
 if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at a public shape, Qwen-style tokenizer
@@ -122,7 +123,7 @@ printf '{"mps": "%s", "weight_transfer": "%s", "gpu_util": %s, "max_len": %s, "t
   "$MPS" "$WEIGHT_TRANSFER" "$GPUVLLM_GPU_UTIL" "$MAXLEN" "$TOKEN_BUDGET" "$GRAD_ACCUM" "$STEPS" > "$OUT/setup.json"
 
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
-  PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --tree 2>&1 \
+  PYTHONPATH=$TRAINER_PATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --tree 2>&1 \
     | grep --line-buffered -v "Loading\|Writing" | tee "$OUT/check_tree.log" | tail -4
 fi
 if [ -n "${SERVER_BENCH:-}" ] && [ -f .gpuvllm/bench.py ]; then
@@ -142,7 +143,7 @@ run() {  # run WORKLOAD NAME MAX_STALENESS
   [ "$1" = longtail ] && loop=(--loop-cls gpu_overlap:LongTailLoop)
   mkdir -p "$OUT/$1/$2" "$dir"  # the metrics as they are written, for an archiver that follows links (tar -h)
   ln -sf "$dir/metrics.jsonl" "$OUT/$1/$2/metrics.jsonl"
-  PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH timeout "${RUN_TIMEOUT_S:-300}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
+  PYTHONPATH=$TRAINER_PATH timeout "${RUN_TIMEOUT_S:-300}" python3 train.py --model "$MODEL" --dataset builtin:letters --reward-funcs letters \
     --vllm-server-base-url "$URL" --weight-transfer "$WEIGHT_TRANSFER" --num-generations 8 \
     --max-completion-length "$MAXLEN" --token-budget "$TOKEN_BUDGET" --gradient-accumulation-steps "$GRAD_ACCUM" \
     --learning-rate 5e-5 --max-steps "$STEPS" --save-steps "$STEPS" --max-staleness "$3" --output-dir "$dir" \
@@ -155,7 +156,7 @@ run() {  # run WORKLOAD NAME MAX_STALENESS
   return $rc
 }
 check() {  # check WORKLOAD NAME MAX_STALENESS [--compare-with RUN]: right after the run, while the server holds its weights
-  PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --run "$RUNS/$1/$2" --max-staleness "$3" \
+  PYTHONPATH=$TRAINER_PATH python3 scripts/gpu_e2e_check.py --server "$URL" --initial "$MODEL" --run "$RUNS/$1/$2" --max-staleness "$3" \
     --steps "$STEPS" "${@:4}" 2>&1 | grep --line-buffered -v "Loading\|Writing" | tee "$OUT/$1/check_$2.log"
 }
 for W in $WORKLOADS; do

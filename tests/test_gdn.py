@@ -489,9 +489,9 @@ def test_kernel_choice_logged_once(gdn_layer, monkeypatch, caplog):
     """One INFO line at first use names the forward and the backward kernel; fla on CPU is refused by name."""
     import logging
 
-    import grpo.gdn as gdn
+    import grpo.gdn_choice as gdn_choice
 
-    monkeypatch.setattr(gdn, "_KERNEL_CHOICE", {})
+    monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
     row = pack_samples([_sample(t) for t in shared_prompt(random.Random(0))])
     plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, gdn_layer.conv_kernel_size)
     hidden = torch.randn(1, row.num_tokens, gdn_layer.hidden_size, requires_grad=True)
@@ -591,9 +591,11 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, exp
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(gdn, "_KERNEL_CHOICE", {})
+    import grpo.gdn_choice as gdn_choice
+
+    monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
     probes = []
-    monkeypatch.setattr(gdn, "_probe", lambda rule, device, backward: probes.append(backward))
+    monkeypatch.setattr(gdn_choice, "_probe", lambda rule, device, backward: probes.append(backward))
     with caplog.at_level(logging.INFO, logger="grpo.gdn"):
         kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0))
         assert gdn.gdn_kernels("auto", torch.device("cuda", 0)) == (kernels, rule)

@@ -151,7 +151,9 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
     from grpo.trie import pack_samples
 
     caplog.set_level(logging.INFO, logger="grpo.gdn")
-    gdn._KERNEL_CHOICE.clear()
+    import grpo.gdn_choice as gdn_choice
+
+    gdn_choice._KERNEL_CHOICE.clear()
     kernels, fla_rule = gdn.gdn_kernels("auto", torch.device("cuda"))
     assert any("Gated DeltaNet recurrence" in r.getMessage() for r in caplog.records)
     try:
