@@ -39,17 +39,46 @@ def fla_directions(triton_version: str | None, capability: tuple[int, int] | Non
     return True, True, f"FLA accepts Triton {triton_version} on sm_{capability[0]}{capability[1]}"
 
 
+def _dqkwg_replaceable() -> bool:
+    try:
+        import fla.ops.gated_delta_rule.chunk as fla_chunk
+    except ImportError:
+        return False
+    return callable(getattr(fla_chunk, "chunk_bwd_dqkwg", None))
+
+
+def _set_dqkwg(step) -> None:
+    import fla.ops.gated_delta_rule.chunk as fla_chunk
+
+    fla_chunk.chunk_bwd_dqkwg = step
+
+
+def install_torch_dqkwg() -> bool:
+    """Put grpo/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
+    step FLA refuses on Hopper with Triton >= 3.4.0, < 3.7.1; every other FLA kernel stays). Process-wide: also
+    transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. False when this FLA has no
+    such step to replace (its module layout changed)."""
+    if not _dqkwg_replaceable():
+        return False
+    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+    _set_dqkwg(chunk_bwd_dqkwg)
+    return True
+
+
 @dataclass(frozen=True)
 class GdnKernels:
     """The recurrence's kernel per direction: "fla" (varlen Triton) or "torch" (`chunk_gated_delta_rule`).
 
     `forward` serves forwards that need no gradient; a forward that needs gradients runs on the `backward`
     kernel (a backward differentiates its own forward), so (fla, torch) means: FLA under no_grad, torch in
-    training. (torch, fla) never occurs."""
+    training. (torch, fla) never occurs. `torch_dqkwg`: FLA's backward runs with its `chunk_bwd_dqkwg` step
+    replaced by grpo/gdn_dqkwg.py's (`install_torch_dqkwg`)."""
 
     forward: str
     backward: str
     reason: str
+    torch_dqkwg: bool = False
 
     def for_forward(self, needs_grad: bool) -> str:
         return self.backward if needs_grad else self.forward
@@ -61,16 +90,20 @@ class GdnKernels:
         else:
             fwd = f"{names[self.forward]} (no-grad forwards), {names[self.backward]} (forwards that need gradients)"
         bwd = names[self.backward] + (" (autograd)" if self.backward == "torch" else "")
+        if self.torch_dqkwg and self.backward == "fla":
+            bwd += " with its chunk_bwd_dqkwg step in torch (grpo/gdn_dqkwg.py)"
         return f"forward {fwd}; backward {bwd} ({self.reason})"
 
 
 def choose_gdn_kernels(choice: str, device_type: str, fla_importable: bool, triton_version: str | None,
-                       capability: tuple[int, int] | None) -> GdnKernels:
+                       capability: tuple[int, int] | None, dqkwg_replaceable: bool = False) -> GdnKernels:
     """The kernel rule (`--gdn-kernel`), with the facts it reads as inputs (so the matrix is testable on CPU).
 
     torch: torch both ways, whatever is installed. auto: FLA in each direction `fla_directions` accepts when
     `fla` imports on CUDA, else torch. fla: required (errors name the fix when FLA cannot run at all); a
-    direction FLA computes wrong on this Triton/GPU still runs on torch.
+    direction FLA computes wrong on this Triton/GPU still runs on torch. Where only FLA's backward is refused
+    (its `chunk_bwd_dqkwg` step) and that step can be replaced (`dqkwg_replaceable`), auto and fla run FLA's
+    backward with the step in torch (`torch_dqkwg`; `gdn_kernels` checks it against the torch kernel first).
     """
     if choice not in ("auto", "fla", "torch"):
         raise ValueError(f"gdn_kernel must be auto, fla or torch, got {choice!r}")
@@ -87,6 +120,8 @@ def choose_gdn_kernels(choice: str, device_type: str, fla_importable: bool, trit
     forward_ok, backward_ok, reason = fla_directions(triton_version, capability)
     if not forward_ok and choice == "fla":
         raise RuntimeError(f"gdn_kernel='fla': {reason}")
+    if forward_ok and not backward_ok and dqkwg_replaceable:
+        return GdnKernels("fla", "fla", reason, torch_dqkwg=True)
     return GdnKernels("fla" if forward_ok else "torch", "fla" if forward_ok and backward_ok else "torch", reason)
 
 
@@ -95,18 +130,20 @@ _KERNEL_CHOICE: dict = {}  # (device type, device index, choice) -> (GdnKernels,
 
 def gdn_kernels(choice: str, device: torch.device):
     """(GdnKernels, FLA's varlen rule or None) for `choice` on `device`: `choose_gdn_kernels` on this machine's
-    facts; with auto, an FLA backward must also pass a small forward + backward probe (a failure moves it, or
-    both directions, to torch). Decided once per device and choice, and logged once (INFO: which kernel runs
-    forward and backward, and why)."""
+    facts. An FLA backward must first match the torch kernel on a small varlen case (`_check_backward`), under
+    auto always and under fla when its dqkwg step was replaced; a failure moves the backward (or, when FLA's
+    forward fails too, both directions) to torch. Decided once per device and choice, and logged once (INFO:
+    which kernel runs forward and backward, and why)."""
     key = (device.type, device.index, choice)
     if key in _KERNEL_CHOICE:
         return _KERNEL_CHOICE[key]
-    fla_rule, import_error, triton_version, capability = None, None, None, None
+    fla_rule, import_error, triton_version, capability, replaceable = None, None, None, None, False
     if choice != "torch" and device.type == "cuda":
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
         except ImportError as exc:
             import_error = exc
+        replaceable = fla_rule is not None and _dqkwg_replaceable()
         try:
             import triton
 
@@ -115,42 +152,91 @@ def gdn_kernels(choice: str, device: torch.device):
             pass
         capability = tuple(torch.cuda.get_device_capability(device))
     try:
-        kernels = choose_gdn_kernels(choice, device.type, fla_rule is not None, triton_version, capability)
+        kernels = choose_gdn_kernels(choice, device.type, fla_rule is not None, triton_version, capability,
+                                     replaceable)
     except ImportError as exc:
         raise ImportError(f"{exc} ({import_error})") from import_error
-    if choice == "auto" and kernels.backward == "fla":  # (fla, torch): no probe, training never compiles FLA
+    flas_own = None
+    if kernels.torch_dqkwg:
+        import fla.ops.gated_delta_rule.chunk as fla_chunk
+
+        flas_own = fla_chunk.chunk_bwd_dqkwg
+        install_torch_dqkwg()
+    if kernels.backward == "fla" and (choice == "auto" or kernels.torch_dqkwg):
         try:
-            _probe(fla_rule, device, backward=True)
-        except Exception as exc:  # noqa: BLE001 - any kernel failure means: use the torch path
-            failed = f"FLA's kernel failed a probe ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-            kernels = (GdnKernels("fla", "torch", f"{kernels.reason}; backward: {failed}")
+            _check_backward(fla_rule, device)
+        except Exception as exc:  # noqa: BLE001 - any kernel failure or mismatch means: use the torch path
+            if flas_own is not None:  # FLA's own step back: it raises where it is wrong, never returns wrong
+                _set_dqkwg(flas_own)
+            failed = f"FLA's backward failed its check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            kernels = (GdnKernels("fla", "torch", f"{kernels.reason}; {failed}")
                        if _forward_probe_passes(fla_rule, device) else GdnKernels("torch", "torch", failed))
     log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
     _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
     return _KERNEL_CHOICE[key]
 
 
+BACKWARD_CHECK_TOL = 3e-2
+"""Largest error an FLA backward may show against the torch kernel in `_check_backward`, as a fraction of each
+value's largest magnitude (bf16 inputs; the wrong gradients FLA guards against are off by ~50 %)."""
+
+
 def _forward_probe_passes(rule, device: torch.device) -> bool:
     try:
-        _probe(rule, device, backward=False)
+        with torch.no_grad():
+            rule(*_probe_inputs(device, grad=False)[:5], **_probe_kwargs(device))
+        torch.cuda.synchronize(device)
     except Exception:  # noqa: BLE001
         return False
     return True
 
 
-def _probe(rule, device: torch.device, backward: bool) -> None:
-    """A two-segment varlen call with an initial state, as the tree path makes it; forward only under no_grad,
-    else forward + backward."""
-    n, h, d = 64, 2, 64
-    with torch.set_grad_enabled(backward):
-        q, k, v = (torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=backward)
-                   for _ in range(3))
-        g = (-torch.rand(1, n, h, device=device) * 0.1).requires_grad_(backward)
-        beta = torch.rand(1, n, h, device=device, dtype=torch.bfloat16, requires_grad=backward)
-        h0 = torch.zeros(2, h, d, d, device=device, requires_grad=backward)
-        cu = torch.tensor([0, 40, n], device=device)
-        out, final = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
-        if backward:
-            (out.float().sum() + final.sum()).backward()
-    torch.cuda.synchronize(device)
+def _probe_inputs(device: torch.device, grad: bool):
+    """q, k, v, g, beta, h0 of a two-segment varlen call (64 and 80 tokens, 2 heads of 64), as the tree path
+    makes it: bf16 q/k/v/beta, fp32 gates and initial states."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n, h, d = 144, 2, 64
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+
+    q, k, v = rand(1, n, h, d), rand(1, n, h, d), rand(1, n, h, d)
+    g = (-torch.rand(1, n, h, generator=gen) * 0.2).to(device).requires_grad_(grad)
+    beta = torch.rand(1, n, h, generator=gen).to(device=device, dtype=torch.bfloat16).requires_grad_(grad)
+    h0 = (torch.randn(2, h, d, d, generator=gen) * 0.1).to(device).requires_grad_(grad)
+    return q, k, v, g, beta, h0
+
+
+def _probe_kwargs(device: torch.device) -> dict:
+    cu = torch.tensor([0, 64, 144])
+    return {"cu_seqlens": cu.to(device), "cu_seqlens_cpu": cu, "use_qk_l2norm_in_kernel": True}
+
+
+def _check_backward(rule, device: torch.device) -> float:
+    """FLA's varlen forward + backward vs grpo.gdn_kernel's torch kernel (fp32, segment by segment) on the same
+    inputs: outputs, final states and every gradient (q, k, v, g, beta, initial state) within
+    `BACKWARD_CHECK_TOL` of each value's scale; returns the largest such error, raises RuntimeError above it."""
+    from grpo.gdn_kernel import chunk_gated_delta_rule
+
+    inputs = _probe_inputs(device, grad=True)
+    q, k, v, g, beta, h0 = inputs
+    out, final = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, **_probe_kwargs(device))
+    weights = torch.randn(out.shape, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)
+    ((out.float() * weights).sum() + final.float().sum()).backward()
+    got = [out.detach().float(), final.detach().float()] + [t.grad.float() for t in inputs]
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    outs, finals = [], []
+    for seg, (lo, hi) in enumerate([(0, 64), (64, 144)]):
+        o, f = chunk_gated_delta_rule(*(t[:, lo:hi] for t in ref_inputs[:5]), initial_state=ref_inputs[5][seg:seg + 1],
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o)
+        finals.append(f)
+    ref_out, ref_final = torch.cat(outs, 1), torch.cat(finals, 0)
+    ((ref_out * weights).sum() + ref_final.sum()).backward()
+    want = [ref_out.detach(), ref_final.detach()] + [t.grad for t in ref_inputs]
+    names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    errors = {name: float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for name, a, b in zip(names, got, want)}
+    worst = max(errors, key=errors.get)
+    if errors[worst] > BACKWARD_CHECK_TOL:
+        raise RuntimeError(f"{worst} is off by {errors[worst]:.3g} of its scale (tolerance {BACKWARD_CHECK_TOL})")
+    return errors[worst]

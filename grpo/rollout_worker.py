@@ -54,6 +54,7 @@ class RolloutWorker:
         self._inbox: queue_lib.Queue = queue_lib.Queue()
         self._reader_stop = threading.Event()
         self._trainer_metrics: list[tuple[str, Any]] = []
+        self._eval_seen = -1  # the newest weight version whose eval metrics the trainer has read off the queue
         self.wait_s = 0.0  # seconds `get` waited since the last `take_wait_s` (the trainer's per-step rollout wait)
         self.ledger = PromptLedger(options.dataset_start_index, sorted(options.skip_positions))
         self._front: collections.deque = collections.deque()
@@ -154,7 +155,28 @@ class RolloutWorker:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
+        return self._receive_eval_metrics(version, deadline)
+
+    def _receive_eval_metrics(self, version: int, deadline: float) -> bool:
+        """The worker books an evaluation done after putting its metrics on the queue, but a queue's put reaches
+        the pipe from a feeder thread, later: read the queue until the eval metrics of `version` (or newer) are in,
+        keeping everything read on the way for the next `drain_metrics`."""
+        while self._eval_seen < version:
+            try:
+                self._trainer_metrics += self._read_metrics(timeout=0.1)
+            except queue_lib.Empty:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    return False
         return True
+
+    def _read_metrics(self, timeout: float | None = None) -> list[tuple[str, Any]]:
+        """One item off the metrics queue (`get_nowait` when timeout is None); notes the eval versions it carries."""
+        items = self.shared.metrics.get(timeout=timeout) if timeout is not None else self.shared.metrics.get_nowait()
+        for name, value in items:
+            if name == "eval/model_version":
+                self._eval_seen = max(self._eval_seen, int(value))
+        return items
 
     def set_token_allowance(self, tokens: float) -> None:
         self.shared.token_allowance.value = float(tokens)
@@ -321,7 +343,7 @@ class RolloutWorker:
         items, self._trainer_metrics = self._trainer_metrics, []
         while True:
             try:
-                items += self.shared.metrics.get_nowait()
+                items += self._read_metrics()
             except queue_lib.Empty:
                 return items
 

@@ -15,8 +15,8 @@ Variants: torch (grpo.gdn.chunk_gated_delta_rule, the default torch path: bf16 m
 inverse and state), torch-fp32mm (the same with fp32 operands), torch-compiled (--compile: its state-free
 regions under torch.compile), sequential (the token-by-token reference kernel), transformers (transformers'
 torch_chunk_gated_delta_rule per padded level, the previous torch path; skipped when fla imports, because the
-name is then FLA's kernel), fla (FLA's varlen kernel; its backward only where grpo.gdn.fla_directions accepts
-this Triton/GPU). Errors: max |x - ref| / max |ref| of the output and of the gradients of q, k, v, g, beta, ref =
+name is then FLA's kernel), fla (FLA's varlen kernel; where grpo.gdn.fla_directions refuses its backward on
+this Triton/GPU, the backward runs with FLA's chunk_bwd_dqkwg step in torch, grpo/gdn_dqkwg.py). Errors: max |x - ref| / max |ref| of the output and of the gradients of q, k, v, g, beta, ref =
 the sequential kernel in fp32 on the same (bf16-valued) inputs.
 """
 
@@ -111,7 +111,12 @@ def variants(names: list[str], device):
             import triton
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
+            from grpo.gdn_choice import install_torch_dqkwg
+
             _, backward_ok, reason = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability(device))
+            if not backward_ok and install_torch_dqkwg():  # FLA's backward, its refused step in torch
+                backward_ok = True
+                print(f"fla: {reason}; its chunk_bwd_dqkwg step runs in torch (grpo/gdn_dqkwg.py)")
             out[name] = (functools.partial(gdn.tree_varlen_gated_delta_rule, fla_rule), backward_ok,
                          "" if backward_ok else f"backward refused: {reason}")
         else:

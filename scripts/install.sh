@@ -25,6 +25,10 @@ if [ "$MODE" = cpu ]; then
   rm -rf "$VENV/torchvision-cpu"
   "$VENV/bin/pip" install -q --no-deps --target "$VENV/torchvision-cpu" "torchvision${tv:+==$tv}"
   "$VENV/bin/python" scripts/cpu_torchvision.py "$VENV/torchvision-cpu"
+  # FLA's Triton kernels for tests that run them in Triton's CPU interpreter (tests/test_gdn_dqkwg.py), in a side
+  # folder: importable, `fla` would make transformers' Qwen3.5 call FLA's (GPU-only) kernels on CPU.
+  rm -rf "$VENV/fla-cpu"
+  "$VENV/bin/pip" install -q --no-deps --target "$VENV/fla-cpu" "fla-core==0.6.0"
 else
   echo "[install] GPU: requirements.txt"
   "$VENV/bin/pip" install -q -r requirements.txt

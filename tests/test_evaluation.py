@@ -91,3 +91,34 @@ def test_a_request_superseded_before_it_started_is_counted_as_skipped():
     worker.request_eval(7)  # the same request again (the final eval after an eval step) skips nothing
     assert worker.drain_metrics().count(("eval/skipped_count", 1)) == 1
     assert worker.shared.eval_request.value == 7
+
+
+def test_wait_eval_returns_with_the_eval_metrics_in_hand():
+    """The worker books an eval done right after its `put`, which reaches the pipe later (a feeder thread): the
+    final eval's metrics must still be in the next `drain_metrics` (CI once logged the run without them)."""
+    import threading
+    import time
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.rollout_worker import RolloutWorker
+
+    worker = RolloutWorker(AsyncGRPOConfig(), dataset=[])
+    worker.check_alive = lambda: None  # no worker process here: this thread plays its part
+    worker.request_eval(5)
+
+    def late_worker():
+        worker.shared.metrics.put([("gen/x", 1.0)])
+        worker.shared.eval_done.value = 5  # booked done before its metrics are readable
+        time.sleep(0.5)
+        worker.shared.metrics.put([("eval/reward", 0.5), ("eval/model_version", 5.0)])
+
+    thread = threading.Thread(target=late_worker)
+    thread.start()
+    assert worker.wait_eval(5, timeout=30)
+    thread.join()
+    items = worker.drain_metrics()
+    assert items == [("gen/x", 1.0), ("eval/reward", 0.5), ("eval/model_version", 5.0)]  # in order, none lost
+    assert worker.wait_eval(5, timeout=0.5)  # already read: no second wait
+    worker.request_eval(7)
+    worker.shared.eval_done.value = 7
+    assert not worker.wait_eval(7, timeout=0.5)  # done but its metrics never come: the timeout says so

@@ -458,6 +458,22 @@ def test_fla_directions(triton_version, capability, expected):
     assert (forward_ok, backward_ok) == expected and reason
 
 
+@pytest.mark.parametrize("choice, triton_version, capability, expected", [
+    ("auto", "3.6.0", (9, 0), ("fla", "fla", True)),  # FLA's backward with its refused step in torch
+    ("fla", "3.6.0", (9, 0), ("fla", "fla", True)),
+    ("auto", "3.7.1", (9, 0), ("fla", "fla", False)),  # FLA's own step where it is correct
+    ("auto", "3.6.0", (8, 0), ("fla", "fla", False)),
+    ("torch", "3.6.0", (9, 0), ("torch", "torch", False)),
+    ("auto", None, (9, 0), ("torch", "torch", False)),
+])
+def test_kernel_rule_with_a_replaceable_dqkwg(choice, triton_version, capability, expected):
+    kernels = choose_gdn_kernels(choice, "cuda", True, triton_version, capability, dqkwg_replaceable=True)
+    assert (kernels.forward, kernels.backward, kernels.torch_dqkwg) == expected
+    if kernels.torch_dqkwg:
+        assert "chunk_bwd_dqkwg step in torch" in kernels.describe()
+
+
+
 @pytest.mark.parametrize("choice, device, fla, triton_version, capability, expected", [
     ("torch", "cuda", True, "3.8.0", (9, 0), ("torch", "torch")),  # torch is torch whatever is installed
     ("torch", "cpu", True, None, None, ("torch", "torch")),
@@ -571,11 +587,17 @@ def test_torch_path_never_reaches_importable_fla(tiny_models):
                                    torch.tensor(list(here["grad_norms"].values())), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("triton_version, expected, probed", [("3.6.0", ("fla", "torch"), False),
-                                                             ("3.7.1", ("fla", "fla"), True)])
-def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, expected, probed):
+@pytest.mark.parametrize("triton_version, with_chunk, check_fails, expected, checked", [
+    ("3.6.0", False, False, ("fla", "torch", False), False),  # no replaceable step: FLA forward only, unchecked
+    ("3.7.1", False, False, ("fla", "fla", False), True),  # FLA's own backward, checked first
+    ("3.6.0", True, False, ("fla", "fla", True), True),  # FLA's backward with its dqkwg step in torch, checked
+    ("3.6.0", True, True, ("fla", "torch", False), True),  # ... which fails its check: torch for training
+])
+def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, with_chunk, check_fails, expected,
+                                        checked):
     """`gdn_kernels` feeds the rule the installed Triton's version and the device's capability (faked here: a
-    Hopper GPU, an importable fla), probes FLA only for a backward it would run, and logs the choice once."""
+    Hopper GPU, an importable fla), swaps FLA's dqkwg step for the torch one where FLA refuses its own, checks an
+    FLA backward against the torch kernel before using it, and logs the choice once."""
     import logging
     import sys
     import types
@@ -583,27 +605,45 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, exp
     import triton
 
     import grpo.gdn as gdn
+    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
 
     fake = types.ModuleType("fla.ops.gated_delta_rule")
     fake.chunk_gated_delta_rule = lambda *a, **k: None
-    for name, module in [("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
-                         ("fla.ops.gated_delta_rule", fake)]:
+    modules = [("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+               ("fla.ops.gated_delta_rule", fake)]
+    chunk = types.ModuleType("fla.ops.gated_delta_rule.chunk")
+    chunk.chunk_bwd_dqkwg = flas_own = lambda *a, **k: None
+    if with_chunk:
+        fake.chunk = chunk
+        modules.append(("fla.ops.gated_delta_rule.chunk", chunk))
+    for name, module in modules:
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     import grpo.gdn_choice as gdn_choice
 
     monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
-    probes = []
-    monkeypatch.setattr(gdn_choice, "_probe", lambda rule, device, backward: probes.append(backward))
+    checks = []
+
+    def check(rule, device):
+        checks.append(chunk.chunk_bwd_dqkwg)
+        if check_fails:
+            raise RuntimeError("dk is off by 0.5 of its scale")
+
+    monkeypatch.setattr(gdn_choice, "_check_backward", check)
+    monkeypatch.setattr(gdn_choice, "_forward_probe_passes", lambda rule, device: True)
     with caplog.at_level(logging.INFO, logger="grpo.gdn"):
         kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0))
         assert gdn.gdn_kernels("auto", torch.device("cuda", 0)) == (kernels, rule)
-    assert (kernels.forward, kernels.backward) == expected and rule is fake.chunk_gated_delta_rule
-    assert probes == ([True] if probed else [])
+    assert (kernels.forward, kernels.backward, kernels.torch_dqkwg) == expected
+    assert rule is fake.chunk_gated_delta_rule
+    assert len(checks) == int(checked)
+    if with_chunk:  # the check ran FLA's backward with the torch step in it; a failed check puts FLA's back
+        assert checks == [chunk_bwd_dqkwg]
+    assert chunk.chunk_bwd_dqkwg is (chunk_bwd_dqkwg if kernels.torch_dqkwg else flas_own)
     lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet recurrence" in r.getMessage()]
-    assert len(lines) == 1 and f"backward {'fla varlen' if probed else 'torch chunked'}" in lines[0], lines
-
+    assert len(lines) == 1 and f"backward {'fla varlen' if expected[1] == 'fla' else 'torch chunked'}" in lines[0]
+    assert ("failed its check" in lines[0]) == check_fails
 
 
 def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monkeypatch):

@@ -110,13 +110,18 @@ def test_chunked_torch_kernel_on_gpu_matches_fp32_reference():
 def test_fla_varlen_recurrence_matches_padded_torch_levels():
     """The varlen FLA kernel per trie level == grpo.gdn's chunked torch kernel on padded levels: outputs and the
     gradients of q, k, v, g, beta (bf16 inputs; tolerance relative to the values' scale). Where `fla_directions`
-    refuses FLA's backward on this Triton/GPU only the forward is compared."""
+    refuses FLA's backward on this Triton/GPU, FLA's backward runs with its `chunk_bwd_dqkwg` step in torch
+    (grpo/gdn_dqkwg.py); only if that step cannot be replaced is the forward alone compared."""
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     import triton
 
     from grpo.gdn import chunk_gated_delta_rule, fla_directions, tree_varlen_gated_delta_rule
+    from grpo.gdn_choice import install_torch_dqkwg
 
     _, backward_ok, reason = fla_directions(triton.__version__, torch.cuda.get_device_capability())
+    if not backward_ok and install_torch_dqkwg():
+        backward_ok, reason = True, f"{reason}; FLA's chunk_bwd_dqkwg step replaced by grpo/gdn_dqkwg.py"
+    print(f"FLA backward compared: {backward_ok} ({reason})")
     plan, inputs, weights = _gdn_level_inputs(d=64)
     results = []
     for path in ("fla", "torch"):
@@ -161,7 +166,7 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
 
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
         forward_ok, backward_ok, _ = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability())
-        assert kernels.backward == "torch" or backward_ok
+        assert kernels.backward == "torch" or backward_ok or kernels.torch_dqkwg
         assert (kernels.forward == "fla") == (fla_rule is not None)
     except ImportError:
         assert (kernels.forward, kernels.backward) == ("torch", "torch")

@@ -386,7 +386,10 @@ def test_research_workflow_end_to_end(train_server, tmp_path):
     rows = _metrics(out)
     evals = [r for r in rows if r.get("eval/model_version") is not None]
     # evaluations at the weights after steps 2 (version 3) and 4 (version 5), the final one waited for
-    assert {r["eval/model_version"] for r in evals} >= {5.0} and rows[-1].get("eval/model_version") == 5.0
+    seen = [(r.get("step"), r.get("eval/model_version"), r.get("train/skipped_nonfinite_count"),
+             r.get("eval/skipped_count")) for r in rows]
+    assert {r["eval/model_version"] for r in evals} >= {5.0} and rows[-1].get("eval/model_version") == 5.0, (
+        f"(step, eval version, skipped step, skipped eval) per row: {seen}\n{proc.stderr[-4000:]}")
     assert all(r["eval/num_prompts"] == 3 and 0 <= r["eval/mean@k"] <= r["eval/pass@k"] <= 1 for r in evals)
     assert "completions at step 1" in proc.stdout and "staleness" in proc.stdout
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))

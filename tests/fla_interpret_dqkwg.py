@@ -1,0 +1,116 @@
+"""Run by tests/test_gdn_dqkwg.py in a subprocess: FLA's Triton `chunk_bwd_dqkwg` kernel, executed by Triton's
+interpreter on CPU (TRITON_INTERPRET=1 is set before triton imports), against grpo/gdn_dqkwg.py's torch version on
+the same random inputs. Prints one JSON line: per case, per output, the largest error as a fraction of the
+output's largest magnitude.
+
+Then the whole of FLA's gated delta-rule forward + backward, with the torch step in place of FLA's
+(`install_torch_dqkwg`), goes through grpo/gdn_choice.py's `_check_backward` in fp32 (its error against the torch
+kernel), and once more with a step whose dk is 1.5x too large (which the check must refuse).
+
+argv: repo, the folder holding `fla` (fla-core installed with --target). The interpreter cannot time kernels, so
+FLA's autotuned kernels run their first configuration. Its bf16 arithmetic is not Hopper's, so the bf16 cases
+hand FLA the fp32 values of the same bf16 inputs (the torch version rounds where the kernel does; the two then
+differ by that rounding alone). The interpreter hands a kernel's `for` loop variables over as Python ints, which
+have no `.to`: FLA is run from a temporary copy where the state kernels' `i_t.to(tl.int64)` reads
+`tl.full([], i_t, tl.int64)` (the same value).
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+repo, fla_site = sys.argv[1:3]
+copy = Path(tempfile.mkdtemp(prefix="fla-interpret-"))
+shutil.copytree(Path(fla_site) / "fla", copy / "fla")
+state_kernels = copy / "fla" / "ops" / "common" / "chunk_delta_h.py"
+source = state_kernels.read_text()
+assert "i_t.to(tl.int64)" in source, "this fla-core's state kernels changed: update the interpreter fix"
+state_kernels.write_text(source.replace("i_t.to(tl.int64)", "tl.full([], i_t, tl.int64)"))
+sys.path[:0] = [str(copy), repo]
+
+import torch  # noqa: E402
+import triton.runtime.autotuner as autotuner  # noqa: E402
+
+_run = autotuner.Autotuner.run
+
+
+def _first_config(self, *args, **kwargs):
+    self.configs = self.configs[:1]
+    return _run(self, *args, **kwargs)
+
+
+autotuner.Autotuner.run = _first_config
+
+from fla.ops.common.chunk_o import chunk_bwd_dqkwg as fla_dqkwg  # noqa: E402
+
+from grpo.gdn_dqkwg import chunk_bwd_dqkwg  # noqa: E402
+
+
+def case(seed, batch, length, heads, v_heads, d_k, d_v, lens=None, dtype=torch.float32, state_v_first=False):
+    gen = torch.Generator().manual_seed(seed)
+    cu = None
+    if lens is not None:
+        batch, length = 1, sum(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.long)
+        chunks = sum(-(-n // 64) for n in lens)
+    else:
+        chunks = batch * -(-length // 64)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, k = rand(batch, length, heads, d_k), rand(batch, length, heads, d_k)
+    v, do, dv = (rand(batch, length, v_heads, d_v) for _ in range(3))
+    w = rand(batch, length, v_heads, d_k)
+    g = -(torch.rand(batch, length, v_heads, generator=gen) * 0.3)  # fp32, as FLA keeps its gates
+    state = (v_heads, d_v, d_k) if state_v_first else (v_heads, d_k, d_v)
+    lead = (batch, chunks // batch) if lens is None else (1, chunks)
+    h, dh = rand(*lead, *state), rand(*lead, *state)
+    kwargs = dict(q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=g, dv=dv, scale=d_k ** -0.5, cu_seqlens=cu,
+                  state_v_first=state_v_first)
+    ours = chunk_bwd_dqkwg(**kwargs)
+    as_fp32 = {name: t.float() if torch.is_tensor(t) and t.is_floating_point() else t for name, t in kwargs.items()}
+    theirs = fla_dqkwg(**as_fp32)
+    return {name: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+            for name, a, b in zip(("dq", "dk", "dw", "dg"), ours, theirs)}
+
+
+def whole_backward():
+    """(error of FLA's backward with the torch step, the check's verdict on a broken step), fp32 inputs."""
+    import fla.ops.gated_delta_rule.chunk as fla_chunk
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    import grpo.gdn_choice as gdn_choice
+
+    make_inputs = gdn_choice._probe_inputs
+    gdn_choice._probe_inputs = lambda device, grad: [t.detach().float().requires_grad_(grad)
+                                                     for t in make_inputs(device, grad)]
+    assert gdn_choice.install_torch_dqkwg() and fla_chunk.chunk_bwd_dqkwg is chunk_bwd_dqkwg
+    error = gdn_choice._check_backward(chunk_gated_delta_rule, torch.device("cpu"))
+
+    def broken(**kwargs):
+        dq, dk, dw, dg = chunk_bwd_dqkwg(**kwargs)
+        return dq, dk * 1.5, dw, dg
+
+    fla_chunk.chunk_bwd_dqkwg = broken
+    try:
+        gdn_choice._check_backward(chunk_gated_delta_rule, torch.device("cpu"))
+        verdict = "passed"
+    except RuntimeError as exc:
+        verdict = str(exc)
+    return error, verdict
+
+
+results = {
+    "fp32 batch 2, 130 tokens (a partial chunk)": case(0, 2, 130, 2, 2, 32, 32),
+    "fp32 varlen 70+5+128+64, 2 key heads of 4 value heads": case(1, 0, 0, 2, 4, 32, 16, lens=[70, 5, 128, 64]),
+    "fp32 state_v_first, 1 key head of 2": case(2, 2, 64, 1, 2, 16, 32, state_v_first=True),
+    "bf16 varlen 100+30": case(3, 0, 0, 2, 2, 32, 32, lens=[100, 30], dtype=torch.bfloat16),
+}
+whole_error, broken_verdict = whole_backward()
+print(json.dumps({"dqkwg": results, "whole_backward_error": whole_error, "broken_step": broken_verdict}))
+shutil.rmtree(copy, ignore_errors=True)

@@ -1,0 +1,87 @@
+"""grpo/gdn_dqkwg.py (FLA's gated `chunk_bwd_dqkwg` step in torch) and grpo/gdn_choice.py's check of an FLA
+backward.
+
+The step is compared with FLA's own Triton kernel run by Triton's interpreter on CPU (tests/fla_interpret_dqkwg.py;
+fla-core sits in a side folder, .venv/fla-cpu, that `scripts/install.sh cpu` fills: on sys.path it would make
+transformers' Qwen3.5 call FLA). The whole FLA backward with the step replaced is checked on a GPU
+(tests/test_gpu_step.py) and, at run time, by `_check_backward`, whose verdicts are tested here on torch kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FLA_SITE = Path(os.environ.get("GRPO_FLA_SITE", REPO / ".venv" / "fla-cpu"))
+
+
+def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
+    """Step against step in four cases (partial chunks, varlen with grouped heads, [V, K] states, bf16), then FLA's
+    whole backward with the torch step against the torch kernel, and a broken step refused by the check."""
+    pytest.importorskip("triton")
+    if not (FLA_SITE / "fla").is_dir():
+        pytest.skip(f"no fla-core in {FLA_SITE}: bash scripts/install.sh cpu (or set GRPO_FLA_SITE)")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fla_interpret_dqkwg.py"), str(REPO), str(FLA_SITE)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report["dqkwg"]) == 4
+    for name, errors in report["dqkwg"].items():
+        tol = 2e-2 if name.startswith("bf16") else 1e-5  # bf16: FLA got fp32 values, so no rounding of dS
+        assert all(error < tol for error in errors.values()), f"{name}: {errors}"
+    assert report["whole_backward_error"] < 1e-4  # FLA's whole backward with the torch step == the torch kernel
+    assert report["broken_step"].startswith("dk is off by"), report["broken_step"]
+
+
+def test_dqkwg_rejects_what_it_does_not_cover():
+    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+    x = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(NotImplementedError, match="gated delta rule"):
+        chunk_bwd_dqkwg(x, x, x, x, torch.zeros(1, 1, 1, 8, 8), torch.zeros(1, 1, 1, 8, 8))
+
+
+def _varlen_torch_rule(scale_dk: float = 1.0):
+    """FLA's varlen signature over grpo.gdn_kernel's torch kernel, segment by segment; `scale_dk` != 1 scales the
+    key gradient (a wrong backward with a correct forward)."""
+    from grpo.gdn_kernel import chunk_gated_delta_rule
+
+    class ScaleGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * scale_dk
+
+    def rule(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+             use_qk_l2norm_in_kernel):
+        k = ScaleGrad.apply(k)
+        bounds = cu_seqlens_cpu.tolist()
+        outs, finals = [], []
+        for seg, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            o, f = chunk_gated_delta_rule(*(t[:, lo:hi].float() for t in (q, k, v, g, beta)),
+                                          initial_state=initial_state[seg:seg + 1], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, 1).to(q.dtype), torch.cat(finals, 0)
+
+    return rule
+
+
+def test_backward_check_passes_a_correct_backward_and_fails_a_wrong_one():
+    from grpo.gdn_choice import BACKWARD_CHECK_TOL, _check_backward
+
+    cpu = torch.device("cpu")
+    assert _check_backward(_varlen_torch_rule(), cpu) < BACKWARD_CHECK_TOL  # bf16 inputs vs the fp32 reference
+    with pytest.raises(RuntimeError, match="dk is off by"):
+        _check_backward(_varlen_torch_rule(scale_dk=1.5), cpu)
