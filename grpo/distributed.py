@@ -85,17 +85,23 @@ def device_mesh(info: DistInfo, replicas: int):
                             mesh_dim_names=("replicate", "shard"))
 
 
-def shard_model(model: torch.nn.Module, info: DistInfo, mixed_precision: bool, replicas: int = 1) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, info: DistInfo, mixed_precision: bool, replicas: int = 1,
+                one_process_fsdp: bool = True) -> torch.nn.Module:
     """FSDP2 over all ranks (`replicas == 1`), or HSDP over a (replicas, world/replicas) mesh. Parameters stay
     fp32 masters; bf16 compute when asked.
 
-    One process without mixed precision: a no-op. One process WITH mixed precision still goes through FSDP2
-    (a 1-rank group): its MixedPrecisionPolicy casts each layer's weights to bf16 once per forward and keeps the
-    whole activation path (residual stream, norms, the LM head's input) in bf16, where autocast would leave the
-    residual stream and the head in fp32 (embeddings are not autocast). Same numerics on 1 GPU and on N.
+    One process without mixed precision: a no-op. One process WITH mixed precision goes through FSDP2 (a 1-rank
+    group; `one_process_fsdp`): its MixedPrecisionPolicy casts each layer's weights to bf16 once per forward and
+    keeps the whole activation path (residual stream, norms, the LM head's input) in bf16, where autocast would
+    leave the residual stream and the head in fp32 (embeddings are not autocast). Same numerics on 1 GPU and on
+    N. With `one_process_fsdp=False` grpo/master_weights.py gives those numerics without FSDP2.
     """
     if info.world_size == 1 and not mixed_precision:
         return model
+    if info.world_size == 1 and not one_process_fsdp:
+        from grpo.master_weights import attach
+
+        return attach(model, torch.bfloat16)
     if info.world_size == 1 and not dist.is_initialized():
         backend = "nccl" if info.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

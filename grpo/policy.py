@@ -69,6 +69,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
     for a bf16 request the sharding cannot serve (bf16 on fp16 weights)."""
     import contextlib
 
+    from grpo import master_weights
     from grpo.distributed import hsdp_replicas, shard_model
     from grpo.gdn import patch_gdn_layers
     from grpo.lora import packed_forward_module, peft_config_from_run, wrap_policy
@@ -94,7 +95,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
                           config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef),
                           keep_logits_bytes=(4 << 30) if cuda else 0, fused_head=compile_layers)
     policy = shard_model(policy, info, mixed_precision=mixed_precision,
-                         replicas=hsdp_replicas(config.hsdp_replicas, info))
+                         replicas=hsdp_replicas(config.hsdp_replicas, info), one_process_fsdp=config.one_process_fsdp)
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))
                 if bf16 and not mixed_precision and config.dtype != "bfloat16" else contextlib.nullcontext)
 
@@ -105,6 +106,8 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
         out.policy_logprobs.float().sum().backward()
         for p in policy.parameters():
             p.grad = None
+        if (weights := master_weights.of(policy)) is not None:
+            weights.reset()
 
     fraction = checkpointing_fraction(config.gradient_checkpointing, policy, model, info, token_budget, run_probe)
     set_gradient_checkpointing(packed_forward_module(model), fraction)

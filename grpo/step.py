@@ -109,7 +109,10 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, lo
     import torch
 
     import grpo.model
+    from grpo import master_weights
 
+    if (weights := master_weights.of(policy)) is not None:  # one process without FSDP2: fp32 masters and grads in
+        weights.to_master()
     params = grpo.model.trainable_parameters(policy)
     timer = StepTimer(params[0].device)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or 1e30)

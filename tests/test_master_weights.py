@@ -1,0 +1,80 @@
+"""One process, bf16 compute, no FSDP2 (grpo/master_weights.py) against FSDP2 on a group of one: the same
+training, step for step.
+
+Both runs are `build_policy` (the trainer's own construction) from the same tiny checkpoint, with bf16 compute over
+fp32 weights, then three optimizer steps of two micro-batches each through `train_micro_batch` and
+`optimizer_step`. FSDP2's mixed precision casts the fp32 weights to bf16 for the forward and accumulates the bf16
+gradients in fp32; the master-weights path does the same without FSDP2, so losses, gradient norms and the final
+fp32 weights must agree to fp32 rounding. Also for the Qwen3.5 VLM checkpoint (Gated DeltaNet layers, a frozen
+vision tower, tied embeddings). Runs in a spawned process: FSDP2 needs a process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from test_train import random_samples
+
+
+def _train(model_dir: str, one_process_fsdp: bool) -> dict:
+    import contextlib
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import DistInfo
+    from grpo.losses import get_loss
+    from grpo.policy import build_policy
+    from grpo.step import optimizer_step, train_micro_batch
+    from grpo.step_metrics import resolve_metrics
+    from grpo.step_plan import StepPlan
+
+    config = AsyncGRPOConfig(model=model_dir, bf16=True, dtype="float32", compile_layers=False,
+                             gradient_checkpointing="false", learning_rate=1e-3, max_grad_norm=1.0,
+                             one_process_fsdp=one_process_fsdp)
+    info = DistInfo(0, 1, 0, torch.device("cpu"))
+    model, policy, optimizer, scheduler, _ = build_policy(config, info, 2048)
+    before = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for name, p in model.named_parameters()}
+    losses, norms = [], []
+    for step in range(3):
+        samples = random_samples(step)
+        halves = [[s for s in samples if s.group_id % 2 == h] for h in range(2)]
+        plan = StepPlan([samples], sum(s.num_trained for s in samples))
+        micro = [train_micro_batch(policy, half, plan, *get_loss("clipped_surrogate"), 1, 2, contextlib.nullcontext)
+                 for half in halves]
+        norm, _, stepped = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
+        assert stepped
+        losses += [m["loss"] for m in resolve_metrics(micro)]
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+    weights = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        weights[name] = t.detach().clone()
+    assert all(t.dtype == torch.float32 for t in weights.values())  # the masters, between steps
+    from grpo import master_weights
+
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    assert sharded == (master_weights.of(policy) is None) == one_process_fsdp  # which path ran
+    return {"losses": [float(x) for x in losses], "norms": norms, "weights": weights, "before": before,
+            "state_dict_dtypes": {str(t.dtype) for t in model.state_dict().values() if t.is_floating_point()}}
+
+
+def _both(rank: int, model_dir: str, out: str) -> None:
+    torch.save({"fsdp": _train(model_dir, True), "masters": _train(model_dir, False)}, out)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_master_weights_train_like_one_process_fsdp2(tiny_models, tmp_path, kind):
+    mp.spawn(_both, args=(str(tiny_models[kind]), str(tmp_path / "out.pt")), nprocs=1, join=True)
+    got = torch.load(tmp_path / "out.pt")
+    fsdp, masters = got["fsdp"], got["masters"]
+    torch.testing.assert_close(masters["losses"], fsdp["losses"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(masters["norms"], fsdp["norms"], atol=1e-6, rtol=1e-5)
+    assert masters["weights"].keys() == fsdp["weights"].keys()
+    for name, w in fsdp["weights"].items():
+        torch.testing.assert_close(masters["weights"][name], w, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(masters["before"][name], fsdp["before"][name], atol=0, rtol=0, msg=name)
+    moved = [n for n, w in fsdp["weights"].items() if not torch.equal(w, fsdp["before"][n])]
+    assert len(moved) > len(fsdp["weights"]) // 2  # three steps at lr 1e-3 moved the trained weights
+    assert masters["state_dict_dtypes"] == {"torch.float32"}
