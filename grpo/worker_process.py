@@ -101,6 +101,64 @@ def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+STOP_REPORT_AFTER_S = 10.0
+"""A worker still running this long after the trainer asked it to stop prints where it is (`_watch_stop`);
+env GRPO_WORKER_STOP_REPORT_S overrides. The trainer terminates it after 30 s (`RolloutWorker.stop`)."""
+
+_EVENT_LOOP = None  # the worker's asyncio loop, for `_watch_stop`'s report
+
+
+def _watch_stop(shared: SharedState, after_s: float) -> None:
+    """Once the trainer sets `stop`, wait `after_s`; if this process is still alive then, print every thread's stack
+    and the event loop's pending tasks to stderr (once), so a slow exit names what it waits for."""
+    import asyncio
+    import faulthandler
+
+    def report():
+        shared.stop.wait()
+        time.sleep(after_s)
+        print(f"rollout worker: still running {after_s:.0f} s after the trainer asked it to stop; its threads and "
+              "tasks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if _EVENT_LOOP is not None:
+            for _ in range(3):  # all_tasks reads a set the loop's thread may change meanwhile
+                with contextlib.suppress(RuntimeError):
+                    tasks = list(asyncio.all_tasks(_EVENT_LOOP))
+                    break
+            else:
+                tasks = []
+            for task in tasks:
+                print(f"-- task {task.get_name()}, awaiting (outermost first):", file=sys.stderr)
+                for line in _await_chain(task.get_coro()):
+                    print(f"   {line}", file=sys.stderr)
+        sys.stderr.flush()
+
+    if shared.stop is not None:
+        threading.Thread(target=report, name="stop-watchdog", daemon=True).start()
+
+
+def _await_chain(coro) -> list[str]:
+    """file:line in function, for each coroutine a suspended task awaits through, then what the innermost waits on
+    (a Future, a sleep): the task's whole stack, which `Task.print_stack` does not show for a suspended task."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            lines.append(repr(coro)[:200])
+            break
+        lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_qualname}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
+
+
+async def _run_loop(loop) -> None:
+    global _EVENT_LOOP
+    import asyncio
+
+    _EVENT_LOOP = asyncio.get_running_loop()
+    await loop.run()
+
+
 def _worker_main(spec: WorkerSpec, shared: SharedState) -> None:
     import asyncio
 
@@ -113,6 +171,7 @@ def _worker_main(spec: WorkerSpec, shared: SharedState) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if spec.parent_pid:
         _watch_parent(spec.parent_pid)
+    _watch_stop(shared, float(os.environ.get("GRPO_WORKER_STOP_REPORT_S", STOP_REPORT_AFTER_S)))
     try:
         loop_cls = spec.loop_cls
         if loop_cls is None:
@@ -127,7 +186,7 @@ def _worker_main(spec: WorkerSpec, shared: SharedState) -> None:
         shared.beat()
         loop = loop_cls(cfg, served.name or cfg.model, spec.dataset, list(spec.reward_funcs), tokenizer,
                         list(served.eos_token_ids or [tokenizer.eos_token_id]), shared, spec.options)
-        asyncio.run(loop.run())
+        asyncio.run(_run_loop(loop))
         # Stopped by the trainer: buffered samples die with the run (spec), so do not block exit on flushing them
         # into a pipe nobody reads.
         shared.samples.cancel_join_thread()

@@ -152,6 +152,31 @@ def test_killed_worker_makes_get_raise_within_the_timeout(tiny_qwen3):
         worker.stop()
 
 
+class DeafLoop(AsyncRolloutLoop):
+    async def run(self):
+        self.shared.metrics.put([("deaf/running", 1.0)])
+        while True:  # never looks at the stop event
+            await asyncio.sleep(0.05)
+
+
+def test_a_worker_slow_to_stop_prints_where_it_is(tiny_qwen3, capfd, monkeypatch):
+    """Asked to stop, a worker still running after GRPO_WORKER_STOP_REPORT_S prints its threads' stacks and its
+    event loop's tasks to stderr before the trainer terminates it; the trainer warns how long it took."""
+    monkeypatch.setenv("GRPO_WORKER_STOP_REPORT_S", "1")
+    worker = RolloutWorker(config_for(tiny_qwen3), [{"prompt": PROMPT}], [length_reward], loop_cls=DeafLoop)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while ("deaf/running", 1.0) not in worker.drain_metrics():  # its loop runs (imports done)
+        assert time.monotonic() < deadline
+        worker.check_alive()
+        time.sleep(0.2)
+    worker.stop(timeout=6)
+    err = capfd.readouterr().err
+    assert "still running 1 s after the trainer asked it to stop" in err, err[-2000:]
+    assert "Thread" in err and "DeafLoop.run" in err, err[-3000:]  # thread stacks, then the loop's task
+    assert not worker.process.is_alive()
+
+
 @pytest.mark.slow
 def test_hung_worker_is_detected_by_its_heartbeat(tiny_qwen3):
     worker = RolloutWorker(config_for(tiny_qwen3, rollout_worker_timeout=20), [{"prompt": PROMPT}],
