@@ -133,6 +133,12 @@ class AsyncGRPOConfig:
     goes whole to one server, every weight version to all of them (docs/design.md, several servers)."""
     vllm_server_timeout: float = 1800.0
     """Seconds for readiness, each generation request (retried on expiry) and each weight-sync call (raises)."""
+    sync_keeps_kv_cache: bool = False
+    """A weight sync pauses vLLM with mode=keep, and vLLM then clears its prefix cache, the running requests' KV
+    included: they re-prefill after the sync, under the new weights. True keeps that cache (clear_cache=false): no
+    re-prefill burst after each sync, but requests in flight go on from KV computed with the older weights and
+    new requests may reuse prompt blocks cached before the sync (their tokens are still labelled with the
+    version at dispatch; importance sampling uses the logprobs that were actually sampled either way)."""
     weight_sync_timeout: float = 600.0
     """Deadline in seconds for each server's part of each weight-sync phase (pause, start, transfer, finish,
     resume), apart from the HTTP timeout; a progress line names the server and the phase every

@@ -99,7 +99,7 @@ def sync_config(config: AsyncGRPOConfig):
                             ipc_bucket_bytes=config.ipc_bucket_mb << 20,
                             phase_timeout=config.weight_sync_timeout, progress_every=config.progress_interval_s,
                             rejoin_interval_s=config.server_rejoin_interval_s,
-                            rejoin_wait_s=config.server_rejoin_wait_s)
+                            rejoin_wait_s=config.server_rejoin_wait_s, keep_kv_cache=config.sync_keeps_kv_cache)
 
 
 def rejoin_probe(config: AsyncGRPOConfig, facts: dict):

@@ -203,9 +203,10 @@ class VLLMControl(LoraRoutes):
         return str(self._request("GET", "/weight_info").json()["weight_version"])
 
     # ---- pause / resume -----------------------------------------------------------------------------------------
-    def pause(self, mode: str = "keep") -> None:
-        """keep: freeze running requests (they resume later); abort: end them; wait: drain first."""
-        self._request("POST", "/pause", params={"mode": mode})
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """keep: freeze running requests (they resume later); abort: end them; wait: drain first. clear_cache=False
+        keeps the prefix cache and the running requests' KV (sent only then; vLLM's default is true)."""
+        self._request("POST", "/pause", params={"mode": mode} | ({} if clear_cache else {"clear_cache": "false"}))
 
     def resume(self) -> None:
         self._request("POST", "/resume")

@@ -91,6 +91,8 @@ class WeightSyncConfig:
     `timeout`."""
     progress_every: float = 30.0
     """Seconds between progress lines while a phase waits for a server."""
+    keep_kv_cache: bool = False
+    """Pause with clear_cache=false (`sync_keeps_kv_cache`): in-flight requests keep their KV across the sync."""
     rejoin_interval_s: float = 0.0
     """Seconds between probes of a dropped server (0 = never probed: dropped servers stay out)."""
     rejoin_wait_s: float = 0.0
@@ -292,7 +294,7 @@ class WeightSync(RejoinMixin):
         t0 = time.perf_counter()
         if self.rank == 0:
             self._admit_rejoiners()
-            self._each("pause", version, lambda c: c.pause(mode="keep"))
+            self._each("pause", version, lambda c: c.pause(mode="keep", clear_cache=not self.config.keep_kv_cache))
         t_paused = time.perf_counter()
         _barrier()
         t_barrier = time.perf_counter()

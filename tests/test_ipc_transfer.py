@@ -163,6 +163,7 @@ class StandInServer:
         self.layouts = []  # per update: "packed" (one handle) or "per tensor"
         self.engine = vllm_ipc_engine()
         self.calls, self.received, self.alive_at_update, self.init_infos = [], {}, [], []
+        self.pause_queries = []  # the query string of each /pause
         self.info = {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"},
                                      "weight_transfer_config": {"backend": backend},
                                      "cache_config": {"gpu_memory_utilization": 0.3}},
@@ -217,6 +218,8 @@ class StandInServer:
                     route = "update"
                 elif route == "finish_weight_update":
                     route = f"finish:{(body or {}).get('weight_version')}"
+                elif route == "pause":
+                    server.pause_queries.append(self.path.partition("?")[2])
                 server.calls.append(route.split("_")[0] if route in ("start_weight_update", "pause", "resume")
                                     else route)
                 self.reply({})
@@ -409,6 +412,26 @@ def test_ipc_bucket_size_is_a_run_option(fake_ipc):
         finally:
             server.stop()
     assert counts[64] == 1 < counts[1], counts
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_sync_pauses_with_clear_cache_false_only_when_asked(fake_ipc, keep):
+    """`sync_keeps_kv_cache` sends /pause?mode=keep&clear_cache=false; by default only mode=keep (vLLM's default
+    clear_cache=true: the running requests re-prefill after the sync)."""
+    from grpo.config import AsyncGRPOConfig
+    from grpo.server_facts import sync_config
+    from grpo.weight_sync import WeightSync
+
+    server = StandInServer(fake_ipc)
+    try:
+        config = AsyncGRPOConfig(model="m", weight_transfer="ipc", vllm_server_timeout=10, sync_keeps_kv_cache=keep)
+        sync = WeightSync(server.base_url, sync_config(config))
+        sync.init(small_model(seed=1))
+        sync.sync(small_model(seed=1), version=1)
+        sync.close()
+    finally:
+        server.stop()
+    assert server.pause_queries == ["mode=keep&clear_cache=false" if keep else "mode=keep"]
 
 
 def _one_rank_fsdp_plan(rank: int, init_file: str, out: str) -> None:

@@ -155,7 +155,7 @@ class StandInControl:
         if name == self.fail_on:
             raise ConnectionError(f"{name}: connection refused (test)")
 
-    def pause(self, mode="keep"):
+    def pause(self, mode="keep", clear_cache=True):
         self._call("pause")
 
     def resume(self):

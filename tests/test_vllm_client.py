@@ -331,6 +331,10 @@ def test_control_plane_round_trip(vllm_server, tiny_qwen3):
             control.resume()
         assert not done_while_paused and len(turn.output_ids) == 4
         assert not control.is_paused()
+        control.pause("keep", clear_cache=False)  # sync_keeps_kv_cache: the server takes the flag
+        assert control.is_paused()
+        control.resume()
+        assert not control.is_paused()
         control.reset_prefix_cache()
 
 
