@@ -115,7 +115,10 @@ def _watch_stop(shared: SharedState, after_s: float) -> None:
     import faulthandler
 
     def report():
-        shared.stop.wait()
+        # Polled, not `stop.wait()`: a multiprocessing Event's set() waits for every sleeping waiter to wake, and
+        # a waiter in a process that died (a failed worker) never does, so the trainer's stop() would hang.
+        while not shared.stop.is_set():
+            time.sleep(0.5)
         time.sleep(after_s)
         print(f"rollout worker: still running {after_s:.0f} s after the trainer asked it to stop; its threads and "
               "tasks:", file=sys.stderr, flush=True)
