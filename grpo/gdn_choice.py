@@ -53,17 +53,20 @@ def _set_dqkwg(step) -> None:
     fla_chunk.chunk_bwd_dqkwg = step
 
 
-def install_torch_dqkwg() -> bool:
+def install_torch_dqkwg():
     """Put grpo/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
     step FLA refuses on Hopper with Triton >= 3.4.0, < 3.7.1; every other FLA kernel stays). Process-wide: also
-    transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. False when this FLA has no
-    such step to replace (its module layout changed)."""
+    transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. Returns the step it replaced
+    (to put back with `_set_dqkwg`), None when this FLA has no such step (its module layout changed)."""
     if not _dqkwg_replaceable():
-        return False
+        return None
+    import fla.ops.gated_delta_rule.chunk as fla_chunk
+
     from grpo.gdn_dqkwg import chunk_bwd_dqkwg
 
+    replaced = fla_chunk.chunk_bwd_dqkwg
     _set_dqkwg(chunk_bwd_dqkwg)
-    return True
+    return replaced
 
 
 @dataclass(frozen=True)
@@ -156,12 +159,7 @@ def gdn_kernels(choice: str, device: torch.device):
                                      replaceable)
     except ImportError as exc:
         raise ImportError(f"{exc} ({import_error})") from import_error
-    flas_own = None
-    if kernels.torch_dqkwg:
-        import fla.ops.gated_delta_rule.chunk as fla_chunk
-
-        flas_own = fla_chunk.chunk_bwd_dqkwg
-        install_torch_dqkwg()
+    flas_own = install_torch_dqkwg() if kernels.torch_dqkwg else None
     if kernels.backward == "fla" and (choice == "auto" or kernels.torch_dqkwg):
         try:
             _check_backward(fla_rule, device)
