@@ -144,14 +144,18 @@ def run_once(fn, inputs, weights, plan, backward: bool):
     return out, [t.grad for t in xs]
 
 
-def time_ms(fn, inputs, weights, plan, backward: bool, reps: int, warmup: int, device) -> float:
+def time_ms(fn, inputs, weights, plan, backward: bool, reps: int, warmup: int, device, label: str = "") -> float:
+    """Median ms of `reps` calls after `warmup`; the warm-up calls' times go to stderr (compile / autotune cost)."""
     times = []
     for i in range(warmup + reps):
         sync(device)
         t0 = time.perf_counter()
         run_once(fn, inputs, weights, plan, backward)
         sync(device)
-        if i >= warmup:
+        if i < warmup:
+            print(f"  {label} {'fwd+bwd' if backward else 'fwd'} warm-up call {i}: {time.perf_counter() - t0:.2f} s",
+                  file=sys.stderr, flush=True)
+        else:
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -181,12 +185,12 @@ def bench_row(row_kind: str, row, args, device, dims, n_layers: int) -> list[dic
         slow = name in ("sequential", "transformers")
         reps, warmup = (1, 1) if slow else (args.reps, args.warmup)
         r = {"row": row_kind, "variant": name, "note": note, "layers": n_layers}
-        r["fwd_ms"] = time_ms(fn, inputs, weights, plan, False, reps, warmup, device)
+        r["fwd_ms"] = time_ms(fn, inputs, weights, plan, False, reps, warmup, device, name)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         if backward_ok:
-            r["fwd_bwd_ms"] = time_ms(fn, inputs, weights, plan, True, reps, warmup, device)
+            r["fwd_bwd_ms"] = time_ms(fn, inputs, weights, plan, True, reps, warmup, device, name)
             out, grads = run_once(fn, inputs, weights, plan, backward=True)
             errors = [scale_error(a, b) for a, b in zip([out] + grads, reference)]
         else:

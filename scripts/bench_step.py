@@ -223,6 +223,8 @@ def _timed_steps(trainer: tuple, config, info, source, profiler, args) -> dict:
         plan, m, opt_s = _train_step(trainer, config, loss_fn, batcher, source, info)
         if info.device.type == "cuda":
             torch.cuda.synchronize()
+        kind = "warm-up" if step < args.warmup else "timed" if step < args.warmup + args.steps else "profiled"
+        print(f"  step {step} ({kind}): {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
         if step < args.warmup or step >= args.warmup + args.steps:
             continue
         totals["wall"] += time.perf_counter() - t0
