@@ -21,6 +21,7 @@ one rank, whose bf16 copy lives only during the step.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -36,19 +37,15 @@ class MasterWeights:
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
         self.in_compute = False
         self.stale = False
+        # A tensor's hooks live on its C++ side, where the garbage collector cannot see a cycle through them: a hook
+        # holding `self` (and so every parameter) would keep the whole model alive after it is dropped.
+        this = weakref.ref(self)
         for i in self.trainable:
-            self.params[i].register_post_accumulate_grad_hook(functools.partial(self._keep_grad, i))
+            self.params[i].register_post_accumulate_grad_hook(functools.partial(_keep_grad, this, i))
         module.register_forward_pre_hook(lambda _module, _args: self.to_compute())
         for sub in module.modules():  # whichever module a checkpoint saves or loads, it sees the masters
             sub.register_state_dict_pre_hook(lambda *_: self.use_masters())
             sub.register_load_state_dict_pre_hook(lambda *_: self.use_masters())
-
-    def _keep_grad(self, i: int, param: torch.nn.Parameter) -> None:
-        grad, param.grad = param.grad, None
-        if self.grads[i] is None:
-            self.grads[i] = grad.to(torch.float32, copy=True)
-        else:
-            self.grads[i].add_(grad)
 
     def to_compute(self) -> None:
         """The compute weights into the parameters (a no-op while they are in), refreshed after a step."""
@@ -82,6 +79,17 @@ class MasterWeights:
         """After a forward + backward that must leave no trace (the memory probe): gradients dropped, masters in."""
         self.grads = [None] * len(self.params)
         self.use_masters()
+
+
+def _keep_grad(weights: weakref.ref, i: int, param: torch.nn.Parameter) -> None:
+    """Post-accumulate-grad hook of trainable parameter `i`: its bf16 gradient added into the fp32 buffer, dropped."""
+    grad, param.grad = param.grad, None
+    if (self := weights()) is None:
+        return
+    if self.grads[i] is None:
+        self.grads[i] = grad.to(torch.float32, copy=True)
+    else:
+        self.grads[i].add_(grad)
 
 
 def attach(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:

@@ -78,3 +78,30 @@ def test_master_weights_train_like_one_process_fsdp2(tiny_models, tmp_path, kind
     moved = [n for n, w in fsdp["weights"].items() if not torch.equal(w, fsdp["before"][n])]
     assert len(moved) > len(fsdp["weights"]) // 2  # three steps at lr 1e-3 moved the trained weights
     assert masters["state_dict_dtypes"] == {"torch.float32"}
+
+
+def test_a_dropped_policy_frees_its_weights(tiny_models):
+    """The gradient hooks live on each parameter's C++ side, out of the garbage collector's sight: if they held the
+    `MasterWeights` (and so every parameter), a policy built twice in one process (bench_step's variants, a test
+    session) would keep the first model's masters, compute copies and gradients alive."""
+    import contextlib
+    import gc
+    import weakref
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import DistInfo
+    from grpo.losses import get_loss
+    from grpo.policy import build_policy
+    from grpo.step import train_micro_batch
+    from grpo.step_plan import StepPlan
+
+    config = AsyncGRPOConfig(model=str(tiny_models["qwen3"]), bf16=True, dtype="float32", compile_layers=False,
+                             gradient_checkpointing="false", one_process_fsdp=False)
+    model, policy, optimizer, scheduler, _ = build_policy(config, DistInfo(0, 1, 0, torch.device("cpu")), 2048)
+    samples = random_samples(0)
+    train_micro_batch(policy, samples, StepPlan([samples], sum(s.num_trained for s in samples)),
+                      *get_loss("clipped_surrogate"), 1, 1, contextlib.nullcontext)
+    params = [weakref.ref(p) for p in model.parameters()]
+    del model, policy, optimizer, scheduler
+    gc.collect()
+    assert not [r for r in params if r() is not None]
