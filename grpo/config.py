@@ -50,10 +50,10 @@ class AsyncGRPOConfig:
     micro-batch; off when the peak fits the GPU, otherwise just enough layers to fit (selective); off on CPU."""
     bf16: bool | None = None
     """bf16 compute for forward/backward (fp32 masters, FSDP2 mixed precision); None = on when CUDA is available."""
-    one_process_fsdp: bool = True
-    """One process with bf16 compute over fp32 weights: shard through FSDP2 anyway (a group of one, its per-step
-    casts and one-rank collectives), or, when false, keep bf16 compute copies beside the fp32 masters without
-    FSDP2 (grpo/master_weights.py; same numerics). No effect on several ranks."""
+    one_process_fsdp: bool = False
+    """One process with bf16 compute over fp32 weights (one GPU): false keeps bf16 compute copies beside the fp32
+    masters without FSDP2 (grpo/master_weights.py); true shards through FSDP2 anyway (a group of one, with its
+    per-step casts and one-rank collectives; same numerics, 2-16 % slower on an H200). No effect on several ranks."""
     compile_layers: bool | None = None
     """torch.compile each decoder layer's norms, MLP and rotary embedding and the log-prob head's softmax passes
     (fused elementwise work); None = on when CUDA is available."""

@@ -86,15 +86,15 @@ def device_mesh(info: DistInfo, replicas: int):
 
 
 def shard_model(model: torch.nn.Module, info: DistInfo, mixed_precision: bool, replicas: int = 1,
-                one_process_fsdp: bool = True) -> torch.nn.Module:
+                one_process_fsdp: bool = False) -> torch.nn.Module:
     """FSDP2 over all ranks (`replicas == 1`), or HSDP over a (replicas, world/replicas) mesh. Parameters stay
     fp32 masters; bf16 compute when asked.
 
-    One process without mixed precision: a no-op. One process WITH mixed precision goes through FSDP2 (a 1-rank
-    group; `one_process_fsdp`): its MixedPrecisionPolicy casts each layer's weights to bf16 once per forward and
-    keeps the whole activation path (residual stream, norms, the LM head's input) in bf16, where autocast would
-    leave the residual stream and the head in fp32 (embeddings are not autocast). Same numerics on 1 GPU and on
-    N. With `one_process_fsdp=False` grpo/master_weights.py gives those numerics without FSDP2.
+    One process without mixed precision: a no-op. One process WITH mixed precision gets FSDP2's numerics: bf16
+    weights for each forward, the whole activation path (residual stream, norms, the LM head's input) in bf16
+    where autocast would leave the residual stream and the head in fp32 (embeddings are not autocast), gradients
+    accumulated in fp32. By default through grpo/master_weights.py (bf16 compute copies beside the fp32 masters,
+    no FSDP2 machinery); with `one_process_fsdp` through FSDP2 on a 1-rank group. Same numerics on 1 GPU and on N.
     """
     if info.world_size == 1 and not mixed_precision:
         return model

@@ -1,5 +1,5 @@
-"""One process with bf16 compute and no FSDP2 (`--no-one-process-fsdp`): bf16 copies of the weights for the
-forward and backward, fp32 masters for the optimizer, checkpoints and weight syncs.
+"""One process with bf16 compute and no FSDP2 (the default; `--one-process-fsdp` shards through FSDP2 instead):
+bf16 copies of the weights for the forward and backward, fp32 masters for the optimizer, checkpoints and syncs.
 
 On one GPU FSDP2 shards over a group of one: its mixed-precision policy still casts every layer's fp32 weights
 to bf16 before each forward (copy-in, a one-rank all-gather, copy-out) and runs a one-rank reduce-scatter per

@@ -150,7 +150,10 @@ def test_train_end_to_end_weights_reach_server(train_server, tiny_qwen3, tmp_pat
 
     # as a trainer killed mid-sync would leave it: the next run's cold sync (pause ... resume) must bring it back
     httpx.post(f"{train_server.base_url}/pause?mode=keep", timeout=60).raise_for_status()
-    proc = subprocess.run(_train_cmd(train_server.base_url, out, "--max-steps", "4", "--save-steps", "2"),
+    # bf16 compute over fp32 weights in one process (what one GPU runs: grpo/master_weights.py, no FSDP2): the syncs
+    # and checkpoints must carry the fp32 masters, not the bf16 compute copies (the CPU server serves fp32)
+    proc = subprocess.run(_train_cmd(train_server.base_url, out, "--max-steps", "4", "--save-steps", "2",
+                                     "--bf16", "True"),
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = _metrics(out)
