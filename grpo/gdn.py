@@ -4,8 +4,9 @@ A GDN layer scans along the sequence twice (docs/design.md §7.2): a short causa
 projected q/k/v, then the gated delta-rule recurrence S_t = g_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T,
 o_t = S_t q_t. In a packed trie a token's history is its path, not the packed positions before it, so:
 
-- the conv reads the token's K_c - 1 path predecessors (`token_pred` chained, zero past the root) through an
-  [N, K_c] index table - a gather plus a depthwise product (`tree_causal_conv1d`);
+- the conv reads the token's K_c - 1 path predecessors (`token_pred` chained, zero past the root; an [N, K_c]
+  index table): one contiguous depthwise conv over the row, with the few rows where the path is not the packed
+  positions before it (segment starts) recomputed from the table (`tree_causal_conv1d`);
 - the recurrence runs each segment (a unary chain, contiguous in the row) from its parent segment's final
   state, one batched call per level of the segment tree, so sequential launches = tree depth, not segment
   count. Autograd flows through the initial states, so a child's loss reaches its parent's chain.
@@ -74,6 +75,7 @@ class TreeScanPlan:
     """Index tables one packed row needs in every GDN layer (built once per row, shared by all layers)."""
 
     conv_index: torch.Tensor  # [N, K_c] packed index of each conv tap in transformers' weight order; N = zero row
+    conv_fix_index: torch.Tensor  # [M] rows whose conv window is not the contiguous one (`conv_fix_index`)
     levels: list[LevelPlan]
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
 
@@ -130,49 +132,46 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
         plans.append(LevelPlan(gather_index, valid, valid.flatten().nonzero()[:, 0], parent_slot,
                                gather_index[valid], cu_cpu.to(device), cu_cpu))
     order = torch.cat([p.gather_index[p.valid] for p in plans])  # [N] packed positions, level-major
-    return TreeScanPlan(conv_index_table(token_pred, kernel_size), plans, torch.argsort(order))
+    conv_index = conv_index_table(token_pred, kernel_size)
+    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order))
 
 
-class _TreeDepthwiseConv(torch.autograd.Function):
-    """out[n, c] = sum_i w[c, i] x[idx[n, i], c], accumulated in fp32 (or wider) and returned in the weight dtype.
-
-    A custom backward so that autograd saves x and the index table, not the K_c-times larger gathered windows
-    (memory then matches transformers' conv, which saves only its input).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, conv_index):  # x [N, C], weight [C, K_c], conv_index [N, K_c]
-        acc = torch.promote_types(weight.dtype, torch.float32)
-        x_padded = F.pad(x, (0, 0, 0, 1))  # [N + 1, C], last row = causal zero padding
-        out = torch.zeros(x.shape, dtype=acc, device=x.device)  # [N, C]
-        for tap in range(weight.shape[1]):
-            out += x_padded[conv_index[:, tap]].to(acc) * weight[:, tap].to(acc)
-        ctx.save_for_backward(x, weight, conv_index)
-        return out.to(weight.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # grad_out [N, C]
-        x, weight, conv_index = ctx.saved_tensors
-        acc = torch.promote_types(weight.dtype, torch.float32)
-        x_padded = F.pad(x, (0, 0, 0, 1)).to(acc)  # [N + 1, C]
-        grad_out = grad_out.to(acc)
-        grad_x_padded = torch.zeros_like(x_padded)  # [N + 1, C]
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # [C, K_c]
-        for tap in range(weight.shape[1]):
-            grad_weight[:, tap] = (grad_out * x_padded[conv_index[:, tap]]).sum(0)
-            grad_x_padded.index_add_(0, conv_index[:, tap], grad_out * weight[:, tap].to(acc))
-        return grad_x_padded[:-1].to(x.dtype), grad_weight.to(weight.dtype), None
+def conv_fix_index(conv_index: torch.Tensor) -> torch.Tensor:
+    """[M] packed positions whose path window differs from the packed positions just before them (a root that is
+    not first in the row, a later sibling, and the K_c - 1 tokens after each): the only rows a contiguous causal
+    conv gets wrong. A first child follows its parent in the row (DFS pre-order), so its window is contiguous."""
+    n_tokens, kernel_size = conv_index.shape
+    contiguous = (torch.arange(n_tokens, device=conv_index.device)[:, None]
+                  + torch.arange(1 - kernel_size, 1, device=conv_index.device)[None, :])  # [N, K_c]
+    contiguous = torch.where(contiguous >= 0, contiguous, n_tokens)
+    return (conv_index != contiguous).any(dim=1).nonzero()[:, 0]
 
 
 def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       activation: str | None, conv_index: torch.Tensor) -> torch.Tensor:
+                       activation: str | None, conv_index: torch.Tensor,
+                       fix_index: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise conv along each token's path: the packed-row twin of transformers' `causal_conv1d_fn`.
 
-    Like it, the conv runs in the weight dtype, the activation follows, and the result returns in the input dtype.
+    One depthwise `F.conv1d` over the packed row (what transformers runs on one sequence) is right for every token
+    whose K_c - 1 path predecessors are the packed positions just before it; the `fix_index` rows
+    (`conv_fix_index`, a few per segment) are recomputed from their path windows and put in its place. Like
+    transformers, the conv runs in the weight dtype, the activation follows, and the result returns in the input
+    dtype. mixed_qkv [N, C], weight [C, K_c], conv_index [N, K_c] (N = a zero tap) -> [N, C].
     """
     from transformers.activations import ACT2FN
 
-    out = _TreeDepthwiseConv.apply(mixed_qkv.to(weight.dtype), weight, conv_index)  # [N, C]
+    n_tokens, kernel_size = conv_index.shape
+    if fix_index is None:
+        fix_index = conv_fix_index(conv_index)
+    x = mixed_qkv.to(weight.dtype)  # [N, C]
+    out = F.conv1d(x.t()[None], weight[:, None, :], padding=kernel_size - 1,
+                   groups=weight.shape[0])[0, :, :n_tokens].t()  # [N, C]
+    if fix_index.numel():
+        window = conv_index[fix_index]  # [M, K_c]
+        taps = x[window.clamp(max=n_tokens - 1)] * (window < n_tokens)[..., None].to(x.dtype)  # [M, K_c, C]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        fixed = (taps.to(acc) * weight.t().to(acc)).sum(dim=1)  # [M, C]
+        out = out.index_put((fix_index,), fixed.to(out.dtype))
     if bias is not None:
         out = out + bias
     if activation is not None:
@@ -227,7 +226,7 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     x = hidden_states[0]  # [N, hidden]
     n_tokens = x.shape[0]
     mixed_qkv = tree_causal_conv1d(layer.in_proj_qkv(x), layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
-                                   layer.activation, plan.conv_index)  # [N, 2 key_dim + value_dim]
+                                   layer.activation, plan.conv_index, plan.conv_fix_index)  # [N, 2 key + value]
     query, key, value = torch.split(mixed_qkv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]
     key = key.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]

@@ -17,6 +17,8 @@
 #   STEPS=20 MAXLEN=384 TOKEN_BUDGET=16384 GRAD_ACCUM=2 WARMUP=3 (steps left out of the steady state)
 #   WEIGHT_TRANSFER=ipc    or cpu_file (the previous one-GPU path: safetensors through /dev/shm), auto
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
+#   AFTER_PORT=8000        start this server only once the server on that port is healthy (two runs on one GPU:
+#                          vLLM aborts when free memory changes while it sizes its KV cache)
 #   GPU_TESTS=1            also `pytest -m gpu tests/test_gpu_ipc.py` against the server (needs pytest there)
 #   CHECK_TREE=1 SERVER_BENCH=1 THEN_BENCH="..." TRAIN_FLAGS="..." SERVE_FLAGS="..." (as before)
 #   EXTRA_SITE=/tmp/site_fla  a folder put first on the trainer's and the checks' PYTHONPATH (not the server's):
@@ -92,6 +94,11 @@ fi
 BACKEND=ipc; [ "$WEIGHT_TRANSFER" = cpu_file ] && BACKEND=cpu_file
 # ipc: the server unpickles the trainer's CUDA-IPC handles, so it gets the switch and listens on 127.0.0.1 only
 [ "$BACKEND" = ipc ] && export VLLM_ALLOW_INSECURE_SERIALIZATION=1
+if [ -n "${AFTER_PORT:-}" ]; then
+  for _ in $(seq 600); do python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+    "http://127.0.0.1:$AFTER_PORT/health" 2>/dev/null && break; sleep 1; done
+  echo "server on port $AFTER_PORT healthy: starting this one"
+fi
 GPUVLLM_LOG_DIR=$OUT vllm_serve "$MODEL" "$PORT" --logprobs-mode processed_logprobs \
   --weight-transfer-config "{\"backend\": \"$BACKEND\"}" --max-logprobs 20 ${SERVE_FLAGS:-}
 unset VLLM_ALLOW_INSECURE_SERIALIZATION

@@ -18,9 +18,9 @@ import random
 import pytest
 import torch
 
-from grpo.gdn import (CHUNK, GdnKernels, choose_gdn_kernels, chunk_gated_delta_rule, conv_index_table,
-                      fla_directions, plan_tree_scan, segment_levels, sequential_gated_delta_rule, tree_causal_conv1d,
-                      tree_chunk_gated_delta_rule, tree_gdn_forward, unit_lower_inverse)
+from grpo.gdn import (CHUNK, GdnKernels, choose_gdn_kernels, chunk_gated_delta_rule, conv_fix_index,
+                      conv_index_table, fla_directions, plan_tree_scan, segment_levels, sequential_gated_delta_rule,
+                      tree_causal_conv1d, tree_chunk_gated_delta_rule, tree_gdn_forward, unit_lower_inverse)
 from grpo.samples import TrainingSample
 from grpo.trie import pack_samples
 
@@ -156,6 +156,36 @@ def test_tree_conv_gradcheck():
     x = torch.randn(row.num_tokens, 6, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w: tree_causal_conv1d(a, w, None, "silu", index), (x, weight))
+
+
+def _windowed_conv(x, weight, conv_index):
+    """out[n] = sum_i w[:, i] x[conv_index[n, i]] (index N = zero): the tree conv by its definition."""
+    x_padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return sum(x_padded[conv_index[:, i]] * weight[:, i] for i in range(weight.shape[1]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_conv_equals_its_path_windows(seed):
+    """The contiguous conv plus recomputed segment starts against every token's own path window (float64, values
+    and gradients), on rows of one to several levels; the rows the contiguous conv would get wrong exist, and
+    leaving them out changes the result."""
+    rng = random.Random(seed)
+    samples = [_sample(t) for t in (multi_level(rng) if seed % 2 else shared_prompt(rng))]
+    row = pack_samples(samples[:2 + seed * 2])
+    index = conv_index_table(row.token_pred, 4)
+    fix = conv_fix_index(index)
+    assert 0 < fix.numel() < row.num_tokens
+    x = torch.randn(row.num_tokens, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    got = tree_causal_conv1d(x, weight, None, None, index, fix)
+    want = _windowed_conv(x, weight, index)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    probe = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad((got * probe).sum(), (x, weight)),
+                    torch.autograd.grad((want * probe).sum(), (x, weight))):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+    unfixed = tree_causal_conv1d(x, weight, None, None, index, fix[:0])
+    assert (unfixed - want).abs()[fix].max() > 1e-3
 
 
 def test_levels_bound_sequential_launches(gdn_layer):
