@@ -5,8 +5,9 @@ projected q/k/v, then the gated delta-rule recurrence S_t = g_t S_{t-1} (I - b_t
 o_t = S_t q_t. In a packed trie a token's history is its path, not the packed positions before it, so:
 
 - the conv reads the token's K_c - 1 path predecessors (`token_pred` chained, zero past the root; an [N, K_c]
-  index table): one contiguous depthwise conv over the row, with the few rows where the path is not the packed
-  positions before it (segment starts) recomputed from the table (`tree_causal_conv1d`);
+  index table): one contiguous depthwise conv over the row (shifted row slices, no gather), with the few rows
+  where the path is not the packed positions before it (segment starts) recomputed from the table
+  (`tree_causal_conv1d`);
 - the recurrence runs each segment (a unary chain, contiguous in the row) from its parent segment's final
   state, one batched call per level of the segment tree, so sequential launches = tree depth, not segment
   count. Autograd flows through the initial states, so a child's loss reaches its parent's chain.
@@ -147,25 +148,56 @@ def conv_fix_index(conv_index: torch.Tensor) -> torch.Tensor:
     return (conv_index != contiguous).any(dim=1).nonzero()[:, 0]
 
 
+class _ContiguousDepthwiseConv(torch.autograd.Function):
+    """out[n, c] = sum_i w[c, i] x[n - (K_c - 1 - i), c] (zero before row 0), accumulated in fp32 (or wider),
+    returned in the weight dtype: K_c shifted multiply-adds over row slices, no gather or scatter. Autograd saves x
+    and the weight only."""
+
+    @staticmethod
+    def forward(ctx, x, weight):  # x [N, C], weight [C, K_c]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        kernel_size = weight.shape[1]
+        out = x.to(acc) * weight[:, -1].to(acc)  # [N, C], tap K_c - 1 reads the token itself
+        for tap in range(kernel_size - 1):
+            shift = kernel_size - 1 - tap
+            out[shift:] += x[:-shift].to(acc) * weight[:, tap].to(acc)
+        ctx.save_for_backward(x, weight)
+        return out.to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out [N, C]
+        x, weight = ctx.saved_tensors
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        kernel_size = weight.shape[1]
+        grad = grad_out.to(acc)
+        grad_x = grad * weight[:, -1].to(acc)  # [N, C]
+        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)  # [C, K_c]
+        grad_weight[:, -1] = (grad * x.to(acc)).sum(0)
+        for tap in range(kernel_size - 1):
+            shift = kernel_size - 1 - tap
+            grad_x[:-shift] += grad[shift:] * weight[:, tap].to(acc)
+            grad_weight[:, tap] = (grad[shift:] * x[:-shift].to(acc)).sum(0)
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
 def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        activation: str | None, conv_index: torch.Tensor,
                        fix_index: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise conv along each token's path: the packed-row twin of transformers' `causal_conv1d_fn`.
 
-    One depthwise `F.conv1d` over the packed row (what transformers runs on one sequence) is right for every token
-    whose K_c - 1 path predecessors are the packed positions just before it; the `fix_index` rows
-    (`conv_fix_index`, a few per segment) are recomputed from their path windows and put in its place. Like
-    transformers, the conv runs in the weight dtype, the activation follows, and the result returns in the input
-    dtype. mixed_qkv [N, C], weight [C, K_c], conv_index [N, K_c] (N = a zero tap) -> [N, C].
+    The contiguous conv over the packed row (`_ContiguousDepthwiseConv`) is right for every token whose K_c - 1
+    path predecessors are the packed positions just before it; the `fix_index` rows (`conv_fix_index`, a few per
+    segment) are recomputed from their path windows and put in its place. Like transformers, the conv runs in the
+    weight dtype, the activation follows, and the result returns in the input dtype.
+    mixed_qkv [N, C], weight [C, K_c], conv_index [N, K_c] (N = a zero tap) -> [N, C].
     """
     from transformers.activations import ACT2FN
 
-    n_tokens, kernel_size = conv_index.shape
+    n_tokens = conv_index.shape[0]
     if fix_index is None:
         fix_index = conv_fix_index(conv_index)
     x = mixed_qkv.to(weight.dtype)  # [N, C]
-    out = F.conv1d(x.t()[None], weight[:, None, :], padding=kernel_size - 1,
-                   groups=weight.shape[0])[0, :, :n_tokens].t()  # [N, C]
+    out = _ContiguousDepthwiseConv.apply(x, weight)  # [N, C]
     if fix_index.numel():
         window = conv_index[fix_index]  # [M, K_c]
         taps = x[window.clamp(max=n_tokens - 1)] * (window < n_tokens)[..., None].to(x.dtype)  # [M, K_c, C]
