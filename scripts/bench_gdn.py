@@ -3,6 +3,7 @@
     python scripts/bench_gdn.py                          # Qwen3.5-2B GDN shapes, tree (ratio 3.4) and plain rows
     python scripts/bench_gdn.py --variants torch fla --compile
     python scripts/bench_gdn.py --device cpu --token-budget 1500 --prompt-len 300 --completion-len 60   # smoke test
+    python scripts/bench_gdn.py --conv --variants torch  # also the tree conv vs its gather definition, side by side
 
 A row is what the trainer forwards (scripts/bench_step.py's workload: groups of 8 rollouts, 1068-token prompts,
 256-token completions, up to --token-budget unique tokens): `tree` packs each group's prompt once (a two-level
@@ -18,6 +19,11 @@ torch_chunk_gated_delta_rule per padded level, the previous torch path; skipped 
 name is then FLA's kernel), fla (FLA's varlen kernel; where grpo.gdn.fla_directions refuses its backward on
 this Triton/GPU, the backward runs with FLA's chunk_bwd_dqkwg step in torch, grpo/gdn_dqkwg.py). Errors: max |x - ref| / max |ref| of the output and of the gradients of q, k, v, g, beta, ref =
 the sequential kernel in fp32 on the same (bf16-valued) inputs.
+
+--conv also times the layer's causal conv over the row (C = 2 key dims + value dim channels, K_c = 4, bf16 in
+fp32 accumulation): grpo.gdn.tree_causal_conv1d (contiguous shifted multiply-adds, segment starts recomputed)
+against its definition, K_c gathers through the path index table with autograd's scatter backward (the trainer's
+conv until 2026-12-02).
 """
 
 from __future__ import annotations
@@ -206,6 +212,44 @@ def bench_row(row_kind: str, row, args, device, dims, n_layers: int) -> list[dic
     return results
 
 
+def bench_conv(row_kind: str, row, args, device, dims, n_layers: int) -> dict:
+    """fwd+bwd ms of the tree conv and of its gather definition on one row (see the module docstring)."""
+    import torch
+
+    from grpo.gdn import conv_fix_index, conv_index_table, tree_causal_conv1d
+
+    row = row.to(device)
+    index = conv_index_table(row.token_pred, 4)
+    fix = conv_fix_index(index)
+    channels = 2 * dims[0] * dims[2] + dims[1] * dims[3]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(row.num_tokens, channels, device=device, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(channels, 4, device=device, generator=gen).to(torch.bfloat16)
+
+    def gathers(a, w, _plan):
+        a_padded = torch.cat([a, a.new_zeros(1, a.shape[1])])
+        acc = torch.promote_types(a.dtype, torch.float32)
+        out = sum(a_padded[index[:, i]].to(acc) * w[:, i].to(acc) for i in range(4))
+        return torch.nn.functional.silu(out.to(w.dtype))
+
+    def tree(a, w, _plan):
+        return tree_causal_conv1d(a, w, None, "silu", index, fix)
+
+    r = {"row": row_kind, "kernel": "conv", "channels": channels, "fix_rows": int(fix.numel()), "layers": n_layers}
+    weights = torch.randn(row.num_tokens, channels, device=device, generator=gen)
+    for name, fn in (("gathers", gathers), ("tree", tree)):
+        r[f"{name}_ms"] = time_ms(fn, [x, weight], weights, None, True, args.reps, args.warmup, device, f"conv {name}")
+    out, grads = run_once(gathers, [x.double(), weight.double()], weights, None, True)  # the definition in fp64
+    for name, fn in (("gathers", gathers), ("tree", tree)):
+        got, got_grads = run_once(fn, [x, weight], weights, None, True)
+        r[f"{name}_error"] = max(scale_error(a, b) for a, b in zip([got] + got_grads, [out] + grads))
+    print(f"CONV {row_kind}: {row.num_tokens} tokens x {channels} channels ({r['fix_rows']} rows recomputed): "
+          f"fwd+bwd per layer gathers {r['gathers_ms']:.2f} ms, tree {r['tree_ms']:.2f} ms "
+          f"({r['gathers_ms'] / r['tree_ms']:.2f}x); max error vs the fp64 definition (output, grads): gathers "
+          f"{r['gathers_error']:.1e}, tree {r['tree_error']:.1e} of scale", flush=True)
+    return r
+
+
 _REGIONS: dict = {}
 
 
@@ -266,6 +310,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--conv", action="store_true", help="also time the tree conv against its gather definition")
     args = p.parse_args()
     if args.compile and "torch-compiled" not in args.variants:
         args.variants.append("torch-compiled")
@@ -290,11 +335,15 @@ def main() -> None:
     print(f"{args.shape} GDN: H_k={dims[0]} H_v={dims[1]} D_k={dims[2]} D_v={dims[3]}, {n_layers} GDN layers; "
           f"{gpu}; {versions}", flush=True)
     results = []
+    convs = []
     for kind in args.rows:
-        results += bench_row(kind, build_row(args, shared=kind == "tree"), args, device, dims, n_layers)
+        row = build_row(args, shared=kind == "tree")
+        if args.conv:
+            convs.append(bench_conv(kind, row, args, device, dims, n_layers))
+        results += bench_row(kind, row, args, device, dims, n_layers)
     print_table(results)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(results + convs, indent=1))
 
 
 if __name__ == "__main__":
