@@ -5,7 +5,7 @@
 # >= 3.4, < 3.7.1 on Hopper, so there the step runs FLA's backward with its chunk_bwd_dqkwg step in torch,
 # grpo/gdn_dqkwg.py, if that passes its check against the torch kernel, else the torch backward; never a crash).
 #   bash scripts/gpu_qwen35_call.sh        # logs and JSON under $OUT
-# Knobs (env): FLA_GDN=1 (bench_gdn in the fla phase too)  TESTS=0 (skip pytest -m gpu)  FLA_WHEELS=.whlfla  PHASES="nofla fla"  STEPS=3  RATIOS="3.4 1"  GDN_VARIANTS="torch torch-compiled"
+# Knobs (env): FLA_GDN=1 (bench_gdn in the fla phase too)  TESTS=0 (skip pytest -m gpu)  CONV=1 (bench_gdn --conv)  FLA_WHEELS=.whlfla  PHASES="nofla fla"  STEPS=3  RATIOS="3.4 1"  GDN_VARIANTS="torch torch-compiled"
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -29,7 +29,7 @@ for PHASE in ${PHASES:-nofla fla}; do
   if [ "$PHASE" = nofla ] || [ -n "${FLA_GDN:-}" ]; then
   echo "== $PHASE: bench_gdn"
   timeout "${T_GDN:-150}" python3 scripts/bench_gdn.py --variants ${GDN_VARIANTS:-torch torch-compiled} \
-    $([ "$PHASE" = fla ] && echo fla) --compile --json "$OUT/gdn_$PHASE.json" 2>&1 | tee "$OUT/gdn_$PHASE.log" | tail -12
+    $([ "$PHASE" = fla ] && echo fla) $([ -n "${CONV:-}" ] && echo --conv) --compile --json "$OUT/gdn_$PHASE.json" 2>&1 | tee "$OUT/gdn_$PHASE.log" | tail -12
   fi
   if [ "${TESTS:-1}" != 0 ]; then
   echo "== $PHASE: pytest -m gpu"
