@@ -23,7 +23,7 @@ import pickle
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -32,6 +32,16 @@ UNIQUE_ID_BYTES = 128
 UNIQUE_ID_STORE_KEY = "broadcast_from/0/0"
 VLLM_UNIQUE_ID_CLASS = ("vllm.distributed.device_communicators.pynccl_wrapper", "ncclUniqueId")
 _NCCL_UINT8, _NCCL_FLOAT32, _NCCL_SUM = 1, 7, 0
+
+
+def nccl_rank_offsets(world_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """One NCCL group spanning the trainer (rank 0, the only sender) and every server's workers: server i's
+    workers start at 1 + the workers of the servers before it. Returns (rank_offset per server, group size)."""
+    offsets, next_rank = [], 1
+    for size in world_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets, next_rank
 
 
 class _UniqueId(ctypes.Structure):

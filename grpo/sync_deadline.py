@@ -38,6 +38,28 @@ def start_thread(fn: Callable, what: str) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
+def join_within(thread: threading.Thread, result: dict, timeout: float, what: str):
+    """Join `thread` (from `start_thread`) for at most `timeout` s: its value, its exception, or TimeoutError."""
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {timeout:.0f} s")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def finish_quietly(control, deadline_s: float = 30.0) -> None:
+    """Best-effort /finish_weight_update after a failed transfer (the server is usually dead or wedged by now), on a
+    side thread given at most `deadline_s`: a silent server must not hold the trainer here either."""
+    def finish():
+        try:
+            control.finish_weight_update(weight_version=None)
+        except Exception:  # the original error is the one that matters
+            pass
+
+    start_thread(finish, "vllm-finish-cleanup")[0].join(deadline_s)
+
+
 def wait_phase(thread: threading.Thread, result: dict, url: str, phase: str, version: int, deadline_s: float,
                every_s: float):
     """Join `thread` with progress lines; its value, its exception, or PhaseTimeout past `deadline_s`."""

@@ -42,7 +42,6 @@ import logging
 import os
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ from torch import nn
 
 from grpo.rejoin import Rejoiner, RejoinMixin
 from grpo.send_plan import SendPlan, build_plan, checkpoint_name, is_adapter_param  # noqa: F401 (public names)
-from grpo.sync_deadline import call_phase, wait_phase
+from grpo.sync_deadline import call_phase, finish_quietly, join_within, start_thread, wait_phase
 from grpo.vllm_server import free_port
 
 log = logging.getLogger("grpo.weight_sync")
@@ -126,40 +125,6 @@ def local_address_towards(base_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
-
-
-def _start_thread(fn, what: str) -> tuple[threading.Thread, dict]:
-    """Run `fn` on a daemon thread, joined with a deadline (`_join`): a stuck call must not hang the trainer."""
-    result: dict = {}
-
-    def target():
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # surfaced to the caller below
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True, name=what)
-    thread.start()
-    return thread, result
-
-
-def _join(thread: threading.Thread, result: dict, timeout: float, what: str):
-    thread.join(timeout)
-    if thread.is_alive():
-        raise TimeoutError(f"{what} did not return within {timeout:.0f} s")
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
-
-
-def nccl_rank_offsets(world_sizes: Sequence[int]) -> tuple[list[int], int]:
-    """One NCCL group spanning the trainer (rank 0, the only sender) and every server's workers: server i's
-    workers start at 1 + the workers of the servers before it. Returns (rank_offset per server, group size)."""
-    offsets, next_rank = [], 1
-    for size in world_sizes:
-        offsets.append(next_rank)
-        next_rank += size
-    return offsets, next_rank
 
 
 class WeightSync(RejoinMixin):
@@ -263,7 +228,7 @@ class WeightSync(RejoinMixin):
     def _init_nccl(self) -> None:
         """One group over the alive servers' workers (world size read from each server: TP x PP x DP). The workers
         block in /init_weight_transfer_engine until rank 0 joins: the HTTP calls run beside it."""
-        from grpo.nccl_broadcast import NcclGroup
+        from grpo.nccl_broadcast import NcclGroup, nccl_rank_offsets
 
         if self.group is not None:
             self.group.close()
@@ -277,12 +242,12 @@ class WeightSync(RejoinMixin):
                          "packed": True, "packed_buffer_size_bytes": self.config.buffer_size_bytes,
                          "packed_num_buffers": self.config.num_buffers}
             control = self.controls[i]
-            calls.append((i, *_start_thread(
+            calls.append((i, *start_thread(
                 lambda c=control, info=init_info: c.init_weight_transfer_engine(info, timeout=self.config.timeout),
                 f"vllm-init-{i}")))
         self.group = NcclGroup(address, port, rank=0, world_size=world, timeout=self.config.timeout)
         for i, thread, result in calls:
-            _join(thread, result, self.config.timeout, f"POST {self.urls[i]}/init_weight_transfer_engine")
+            join_within(thread, result, self.config.timeout, f"POST {self.urls[i]}/init_weight_transfer_engine")
         self._group_members = tuple(members)
 
     def sync(self, model: nn.Module, version: int) -> dict[str, float]:
@@ -379,14 +344,14 @@ class WeightSync(RejoinMixin):
                             lambda c=self.controls[i]: c.finish_weight_update(weight_version=str(version)))
         except Exception as exc:
             for i in started:
-                _finish_quietly(self.controls[i], self.phase_deadline)
+                finish_quietly(self.controls[i], self.phase_deadline)
             raise self._transfer_error([self.urls[i] for i in members], version, exc) from exc
 
     def _send_nccl(self, members: list[int], version: int) -> None:
         from grpo.nccl_broadcast import packed_broadcast_send
 
         manifest = self.plan.manifest
-        calls = [(i, *_start_thread(lambda c=self.controls[i]: c.update_weights(manifest, timeout=self.config.timeout),
+        calls = [(i, *start_thread(lambda c=self.controls[i]: c.update_weights(manifest, timeout=self.config.timeout),
                                     f"vllm-update-{i}")) for i in members]
         for _, thread, result in calls:
             thread.join(0.05)  # an update rejected before any NCCL call fails fast: surface it instead of broadcasting
@@ -420,7 +385,7 @@ class WeightSync(RejoinMixin):
                 torch.cuda.ipc_collect()  # the server let go of the last bucket at finish
         except Exception as exc:
             if started:
-                _finish_quietly(control, self.phase_deadline)
+                finish_quietly(control, self.phase_deadline)
             raise self._transfer_error([self.urls[i]], version, exc) from exc
 
     def _transfer_file(self, version: int) -> None:
@@ -457,7 +422,7 @@ class WeightSync(RejoinMixin):
             self._phase(i, "finish", version, lambda: control.finish_weight_update(weight_version=str(version)))
         except Exception as exc:
             if started:
-                _finish_quietly(control, self.phase_deadline)
+                finish_quietly(control, self.phase_deadline)
             self._drop_or_raise(i, self._transfer_error([self.urls[i]], version, exc), exc)
 
     def _init_adapter(self) -> None:
@@ -516,18 +481,6 @@ def _broadcast_str(value: str) -> str:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _finish_quietly(control, deadline_s: float = 30.0) -> None:
-    """Best-effort /finish_weight_update after a failed transfer (the server is usually dead or wedged by now), on a
-    side thread given at most `deadline_s`: a silent server must not hold the trainer here either."""
-    def finish():
-        try:
-            control.finish_weight_update(weight_version=None)
-        except Exception:  # the original error is the one that matters
-            pass
-
-    _start_thread(finish, "vllm-finish-cleanup")[0].join(deadline_s)
 
 
 def _merge_adapter(model: nn.Module) -> bool:

@@ -14,12 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.config import AsyncGRPOConfig
+from grpo.nccl_broadcast import nccl_rank_offsets
 from grpo.rollout_loop import AsyncRolloutLoop
 from grpo.samples import TurnRecord
 from grpo.server_pool import NoServerLeftError, ServerPool
 from grpo.shared_state import LoopOptions, SharedState
 from grpo.vllm_client import ServerMetrics, ServerUnreachableError
-from grpo.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError, nccl_rank_offsets
+from grpo.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
 
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(6)]
 
