@@ -206,9 +206,14 @@ def test_groups_reproduce_under_the_tiny_model(vllm_server, tiny_qwen3, tokenize
             np.testing.assert_allclose([sample.sampler_logprobs[j] for j in pos], ref.numpy(), atol=1e-4)
             for j in pos:
                 top_ref = torch.topk(logprobs[j - 1], 8)
-                assert set(sample.sampler_top_ids[j].tolist()) == set(top_ref.indices.tolist())
+                ids = sample.sampler_top_ids[j].tolist()
+                # the top-8 set up to ties at the 8th place: every id the sampler names is distinct and at least as
+                # likely under the reference as its 8th-best token (float noise may swap two near-equal tokens)
+                assert len(set(ids)) == 8
+                assert logprobs[j - 1][ids].min().item() >= top_ref.values[-1].item() - 1e-4, (ids, top_ref)
                 np.testing.assert_allclose(np.sort(sample.sampler_top_logprobs[j]),
                                            np.sort(top_ref.values.numpy()), atol=1e-4)
+                np.testing.assert_allclose(sample.sampler_top_logprobs[j], logprobs[j - 1][ids].numpy(), atol=1e-4)
             checked += len(pos)
     assert checked == sum(len(g.completions_ids[i]) for g, _ in groups for i in range(4))
     published = []

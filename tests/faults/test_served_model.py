@@ -15,6 +15,9 @@ from .test_run_faults import records, run, train_cmd
 
 @pytest.mark.vllm
 def test_a_server_serving_another_model_is_refused_at_start_with_both_names(faults_server, tiny_models, tmp_path):
+    # the shared server may have been left paused by an earlier scenario's killed trainer: start from a resumed one
+    httpx.post(f"{faults_server.base_url}/resume").raise_for_status()
+    assert httpx.get(f"{faults_server.base_url}/is_paused").json().get("is_paused") is False
     cmd = train_cmd(faults_server.base_url, tmp_path / "run", "--max-steps", "2")
     cmd[cmd.index("--model") + 1] = str(tiny_models["qwen3_moe"])
     result = run(cmd, timeout=300)
