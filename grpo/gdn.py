@@ -67,6 +67,7 @@ class LevelPlan:
     valid_index: torch.Tensor  # [n_level] flat positions (in B x T) of the valid slots: no mask-indexing sync
     parent_slot: torch.Tensor | None  # [B] row of the parent in the previous level's final states; None for roots
     flat_index: torch.Tensor  # [n_level] packed positions of the level's tokens, segment after segment (varlen)
+    flat_range: tuple[int, int] | None  # (start, stop) when flat_index is that range of the row (a slice, no gather)
     cu_seqlens: torch.Tensor  # [B + 1] long, segment bounds within flat_index (on the row's device)
     cu_seqlens_cpu: torch.Tensor  # the same on the CPU (a varlen kernel reads it without a device sync)
 
@@ -79,6 +80,7 @@ class TreeScanPlan:
     conv_fix_index: torch.Tensor  # [M] rows whose conv window is not the contiguous one (`conv_fix_index`)
     levels: list[LevelPlan]
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
+    level_major: bool = False  # True when that concatenation is the row itself (unpermute is the identity)
 
 
 def conv_index_table(token_pred: torch.Tensor, kernel_size: int) -> torch.Tensor:
@@ -130,11 +132,15 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
         gather_index = torch.where(valid, starts[:, None] + offsets[None, :], token_pred.shape[0])  # [B, T]
         parent_slot = None if level == 0 else torch.tensor([slot_in_level[parents[s]] for s in segs], device=device)
         cu_cpu = torch.tensor([0] + [bounds[s + 1] - bounds[s] for s in segs]).cumsum(0)  # [B + 1]
+        consecutive = all(bounds[a + 1] == bounds[b] for a, b in zip(segs, segs[1:]))
+        flat_range = (bounds[segs[0]], bounds[segs[-1] + 1]) if consecutive else None
         plans.append(LevelPlan(gather_index, valid, valid.flatten().nonzero()[:, 0], parent_slot,
-                               gather_index[valid], cu_cpu.to(device), cu_cpu))
+                               gather_index[valid], flat_range, cu_cpu.to(device), cu_cpu))
     order = torch.cat([p.gather_index[p.valid] for p in plans])  # [N] packed positions, level-major
     conv_index = conv_index_table(token_pred, kernel_size)
-    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order))
+    stops = [p.flat_range for p in plans]
+    level_major = all(r is not None for r in stops) and [r[0] for r in stops] == [0] + [r[1] for r in stops[:-1]]
+    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order), level_major)
 
 
 def conv_fix_index(conv_index: torch.Tensor) -> torch.Tensor:
@@ -196,6 +202,10 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
     n_tokens = conv_index.shape[0]
     if fix_index is None:
         fix_index = conv_fix_index(conv_index)
+    if _COMPILED_CONV and activation in _FORMULA_ACTIVATIONS:
+        out = _COMPILED_CONV[0](mixed_qkv.to(weight.dtype), weight, bias, fix_index, conv_index[fix_index],
+                                activation is not None)
+        return out.to(mixed_qkv.dtype)
     x = mixed_qkv.to(weight.dtype)  # [N, C]
     out = _ContiguousDepthwiseConv.apply(x, weight)  # [N, C]
     if fix_index.numel():
@@ -209,6 +219,40 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(mixed_qkv.dtype)
+
+
+_FORMULA_ACTIVATIONS = (None, "silu", "swish")
+_COMPILED_CONV: list = []  # [the torch.compile'd `tree_conv_formula`] once `compile_tree_conv` ran
+
+
+def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fix_index: torch.Tensor,
+                      fix_window: torch.Tensor, silu: bool) -> torch.Tensor:
+    """`tree_causal_conv1d` as one differentiable formula over shifted row slices (the conv, the recomputed segment
+    starts, bias, SiLU): what torch.compile fuses into a few kernels (`compile_tree_conv`). Eager, it would keep
+    K_c fp32 products for autograd; the eager path runs `_ContiguousDepthwiseConv` (saves x and the weight only).
+    x [N, C] in the weight dtype, fix_window [M, K_c] = conv_index[fix_index] (N = a zero tap) -> [N, C]."""
+    n_tokens, kernel_size = x.shape[0], weight.shape[1]
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    padded = F.pad(x, (0, 0, kernel_size - 1, 1))  # [K_c - 1 + N + 1, C]: zeros before row 0, one zero row after
+    out = x.to(acc) * weight[:, -1].to(acc)  # [N, C], tap i reads padded[n + i] = x[n - (K_c - 1 - i)]
+    for tap in range(kernel_size - 1):
+        out = out + padded[tap:tap + n_tokens].to(acc) * weight[:, tap].to(acc)
+    if fix_index.shape[0]:
+        taps = padded[fix_window + (kernel_size - 1)]  # [M, K_c, C]; index N lands on the trailing zero row
+        out = out.index_put((fix_index,), (taps.to(acc) * weight.t().to(acc)).sum(dim=1))
+    out = out.to(weight.dtype)
+    if bias is not None:
+        out = out + bias
+    return F.silu(out) if silu else out
+
+
+def compile_tree_conv(**compile_kwargs) -> None:
+    """Route `tree_causal_conv1d` through the torch.compile'd `tree_conv_formula` (dynamic shapes by default:
+    rows change length). Eager, the conv is ~3 fp32 passes over [N, C] per tap forward and more backward; fused,
+    one read of x and one write. Idempotent."""
+    if not _COMPILED_CONV:
+        compile_kwargs.setdefault("dynamic", True)
+        _COMPILED_CONV.append(torch.compile(tree_conv_formula, **compile_kwargs))
 
 
 # ------------------------------------------------------------------------------------------------ tree drivers
@@ -239,13 +283,18 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: 
     """
     outputs, final_states = [], None
     for level in plan.levels:
-        q_l, k_l, v_l, g_l, beta_l = (t[level.flat_index][None] for t in (query, key, value, g, beta))  # [1, n, ..]
+        if level.flat_range is not None:  # the level's segments lie back to back in the row: a slice, no gather
+            start, stop = level.flat_range
+            q_l, k_l, v_l, g_l, beta_l = (t[start:stop].contiguous()[None] for t in (query, key, value, g, beta))
+        else:
+            q_l, k_l, v_l, g_l, beta_l = (t[level.flat_index][None] for t in (query, key, value, g, beta))  # [1, n..]
         initial_state = None if level.parent_slot is None else final_states[level.parent_slot]  # [B, H, D_k, D_v]
         out_l, final_states = varlen_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True,
                                           cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
         outputs.append(out_l[0])  # [n_level, H, D_v]
-    return torch.cat(outputs)[plan.unpermute]  # [N, H, D_v]
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, D_v] level-major
+    return out if plan.level_major else out[plan.unpermute]  # [N, H, D_v]
 
 
 def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> torch.Tensor:

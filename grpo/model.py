@@ -99,9 +99,11 @@ def set_gradient_checkpointing(model, fraction: float) -> int:
 
 def compile_layer_regions(model) -> int:
     """torch.compile the elementwise-heavy regions of every decoder layer: the dense MLP (SiLU x mul fused with
-    its casts), the RMSNorms (one kernel instead of ~8 fp32 passes) and the rotary embedding. Attention (tree
-    layouts), Gated DeltaNet and MoE routing stay eager. dynamic=True: packed rows change length every
-    micro-batch, static shapes would recompile each time. With Gated DeltaNet layers, the torch GDN kernel's
+    its casts), the RMSNorms (one kernel instead of ~8 fp32 passes; Gated DeltaNet's gated norm too) and the rotary
+    embedding; Gated DeltaNet's tree causal conv with its SiLU (`grpo.gdn.compile_tree_conv`: ~3 fp32 passes over
+    [N, C] per tap eager). Attention (tree layouts), the GDN recurrence and MoE routing stay eager. dynamic=True:
+    packed rows change length every micro-batch, static shapes would recompile each time. With Gated DeltaNet
+    layers, the torch GDN kernel's
     state-free regions are compiled too (`grpo.gdn.compile_chunk_regions`; measured on one H200, Qwen3.5-2B GDN
     shapes: fwd+bwd 34.3 -> 27.8 ms per layer on a tree row, 16.5 -> 12.5 on a plain one, same errors against the
     fp32 reference: scripts/bench_gdn.py --compile) when GRPO_GDN_COMPILE=1: off by default, because in the first
@@ -113,13 +115,16 @@ def compile_layer_regions(model) -> int:
     import sys
 
     from grpo.distributed import decoder_layers
-    from grpo.gdn import compile_chunk_regions, is_gdn_layer
+    from grpo.gdn import compile_chunk_regions, compile_tree_conv, is_gdn_layer
 
     compiled = 0
-    if any(is_gdn_layer(m) for m in model.modules()) and os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
-        compile_chunk_regions()
-        compiled += 2
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    if any(is_gdn_layer(m) for m in model.modules()):
+        compile_tree_conv()
+        compiled += 1
+        if os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
+            compile_chunk_regions()
+            compiled += 2
+    norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
     mlps = [layer.mlp for layer in decoder_layers(model)
             if hasattr(layer, "mlp") and type(layer.mlp).__name__.endswith("MLP")]
     for module in norms + mlps:

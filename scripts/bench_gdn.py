@@ -21,14 +21,16 @@ this Triton/GPU, the backward runs with FLA's chunk_bwd_dqkwg step in torch, grp
 the sequential kernel in fp32 on the same (bf16-valued) inputs.
 
 --conv also times the layer's causal conv over the row (C = 2 key dims + value dim channels, K_c = 4, bf16 in
-fp32 accumulation): grpo.gdn.tree_causal_conv1d (contiguous shifted multiply-adds, segment starts recomputed)
-against its definition, K_c gathers through the path index table with autograd's scatter backward (the trainer's
-conv until 2026-12-02).
+fp32 accumulation): grpo.gdn.tree_causal_conv1d eager (contiguous shifted multiply-adds, segment starts
+recomputed) and compiled (its formula under torch.compile, what train.py runs with compile_layers on) against its
+definition, K_c gathers through the path index table with autograd's scatter backward (the trainer's conv until
+2026-12-02).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import itertools
@@ -235,19 +237,38 @@ def bench_conv(row_kind: str, row, args, device, dims, n_layers: int) -> dict:
     def tree(a, w, _plan):
         return tree_causal_conv1d(a, w, None, "silu", index, fix)
 
+    def compiled(a, w, _plan):  # what train.py runs with compile_layers on (the default on CUDA)
+        with compiled_conv():
+            return tree_causal_conv1d(a, w, None, "silu", index, fix)
+
+    variants = (("gathers", gathers), ("tree", tree), ("compiled", compiled))
     r = {"row": row_kind, "kernel": "conv", "channels": channels, "fix_rows": int(fix.numel()), "layers": n_layers}
     weights = torch.randn(row.num_tokens, channels, device=device, generator=gen)
-    for name, fn in (("gathers", gathers), ("tree", tree)):
+    for name, fn in variants:
         r[f"{name}_ms"] = time_ms(fn, [x, weight], weights, None, True, args.reps, args.warmup, device, f"conv {name}")
     out, grads = run_once(gathers, [x.double(), weight.double()], weights, None, True)  # the definition in fp64
-    for name, fn in (("gathers", gathers), ("tree", tree)):
+    for name, fn in variants:
         got, got_grads = run_once(fn, [x, weight], weights, None, True)
         r[f"{name}_error"] = max(scale_error(a, b) for a, b in zip([got] + got_grads, [out] + grads))
     print(f"CONV {row_kind}: {row.num_tokens} tokens x {channels} channels ({r['fix_rows']} rows recomputed): "
-          f"fwd+bwd per layer gathers {r['gathers_ms']:.2f} ms, tree {r['tree_ms']:.2f} ms "
-          f"({r['gathers_ms'] / r['tree_ms']:.2f}x); max error vs the fp64 definition (output, grads): gathers "
-          f"{r['gathers_error']:.1e}, tree {r['tree_error']:.1e} of scale", flush=True)
+          f"fwd+bwd per layer gathers {r['gathers_ms']:.2f} ms, tree {r['tree_ms']:.2f} ms, compiled "
+          f"{r['compiled_ms']:.2f} ms ({r['gathers_ms'] / r['compiled_ms']:.2f}x the gathers); max error vs the fp64 "
+          f"definition (output, grads): gathers {r['gathers_error']:.1e}, tree {r['tree_error']:.1e}, compiled "
+          f"{r['compiled_error']:.1e} of scale", flush=True)
     return r
+
+
+@contextlib.contextmanager
+def compiled_conv():
+    """Inside: grpo.gdn.tree_causal_conv1d runs its torch.compile'd formula (compiled once, kept for reuse)."""
+    import grpo.gdn as gdn
+
+    saved = list(gdn._COMPILED_CONV)
+    gdn.compile_tree_conv()
+    try:
+        yield
+    finally:
+        gdn._COMPILED_CONV[:] = saved
 
 
 _REGIONS: dict = {}

@@ -262,7 +262,7 @@ def _print_profile(profiler, label: str, cuda: bool) -> None:
     print(f"PROFILE {label} (2 steps)")
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
-    print_copy_sites(profiler, sort)
+    print_op_sites(profiler, sort)
 
 
 def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, n: int) -> dict:
@@ -308,30 +308,74 @@ def _profiler(enabled: bool):
     return torch.profiler.profile(activities=activities, with_stack=True)
 
 
-def print_copy_sites(profiler, sort: str, top: int = 12) -> None:
-    """Where the copies come from: aten::copy_ grouped by the first Python frames above it that are ours, FSDP2's
-    or the model's (casts, gathers, autocast, the tree layout's gathers, ...), the attribution a kernel table
-    cannot give. Walks each op's parent chain (the profiler records Python calls as parent events)."""
+SITE_OPS = ("aten::copy_", "aten::mul", "aten::index", "aten::_index_put_impl_", "aten::index_add_", "aten::add",
+            "aten::add_", "aten::cat", "aten::sum", "aten::fill_", "aten::mm", "aten::bmm")
+"""The ops `print_op_sites` attributes: the eager elementwise, gather/scatter and matmul work of a step."""
+
+
+def _python_site(event, depth: int = 3) -> str | None:
+    """The first `depth` Python frames above a profiler event that are ours, FSDP2's or the model's."""
+    frames, parent = [], event.cpu_parent
+    while parent is not None and len(frames) < depth:
+        name = parent.name
+        if ".py(" in name and ("site-packages" not in name or "torch/distributed" in name
+                               or "transformers/models" in name):
+            frames.append(name.split("/")[-1])
+        parent = parent.cpu_parent
+    return " <- ".join(frames) or None
+
+
+def _backward_node(event):
+    """The autograd node (`autograd::engine::evaluate_function: XBackward0`) an op runs under, or None (forward)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("autograd::engine::evaluate_function:"):
+            return parent
+        parent = parent.cpu_parent
+    return None
+
+
+def print_op_sites(profiler, sort: str, top: int = 25) -> None:
+    """Where the eager work comes from: each `SITE_OPS` op grouped by the Python frames above it (forward) or, in
+    the backward (autograd's thread, no Python frames), by its autograd node and the Python site of the forward op
+    that made that node (matched by sequence number): the attribution a kernel table cannot give."""
     from collections import defaultdict
 
     cuda = sort.startswith("self_cuda")
+    events = list(profiler.events())
+    by_seq = defaultdict(list)
+    for e in events:  # sequence number -> the forward ops that recorded it (the node's op and ops inside it)
+        seq = getattr(e, "sequence_nr", -1)
+        if seq is not None and seq >= 0 and not e.name.startswith("autograd::") and _backward_node(e) is None:
+            by_seq[seq].append(e)
+
+    def forward_site(node) -> str:
+        kind = node.name.split(":", 2)[-1].strip().lower()  # e.g. mulbackward0: prefer aten::mul over a cast in it
+        candidates = by_seq.get(node.sequence_nr, [])
+        named = [e for e in candidates if kind.startswith(e.name.removeprefix("aten::").strip("_").lower())]
+        for e in named + candidates:
+            site = _python_site(e)
+            if site is not None:
+                return f"{e.name.removeprefix('aten::')} at {site}"
+        return "(forward site unknown)"
+
     total, count = defaultdict(float), defaultdict(int)
-    for e in profiler.events():
-        if e.name != "aten::copy_":
+    for e in events:
+        if e.name not in SITE_OPS:
             continue
-        frames, parent = [], e.cpu_parent
-        while parent is not None and len(frames) < 3:
-            name = parent.name
-            if ".py(" in name and ("site-packages" not in name or "torch/distributed" in name
-                                   or "transformers/models" in name):
-                frames.append(name.split("/")[-1])
-            parent = parent.cpu_parent
-        key = " <- ".join(frames) or "(no Python frame)"
+        node = _backward_node(e)
+        if node is None:
+            key = f"fwd {e.name}  {_python_site(e) or '(no Python frame)'}"
+        else:
+            kind = node.name.split(":", 2)[-1].strip()
+            key = f"bwd {e.name} in {kind} of {forward_site(node)}"
         total[key] += e.self_device_time_total if cuda else e.self_cpu_time_total
         count[key] += 1
-    print(f"COPY SITES (aten::copy_, top {top} by self {'GPU' if cuda else 'CPU'} time over the profiled steps)")
+    grand = sum(total.values()) or 1.0
+    print(f"OP SITES ({', '.join(o.removeprefix('aten::') for o in SITE_OPS)}: top {top} of {len(total)} sites by "
+          f"self {'GPU' if cuda else 'CPU'} time over the profiled steps; {grand / 1e3:.1f} ms in all)")
     for key in sorted(total, key=total.get, reverse=True)[:top]:
-        print(f"  {total[key] / 1e3:8.2f} ms {count[key]:6d}x  {key}")
+        print(f"  {total[key] / 1e3:8.2f} ms {100 * total[key] / grand:5.1f}% {count[key]:6d}x  {key}")
 
 
 def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int = 0) -> dict:

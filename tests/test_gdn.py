@@ -20,7 +20,8 @@ import torch
 
 from grpo.gdn import (CHUNK, GdnKernels, choose_gdn_kernels, chunk_gated_delta_rule, conv_fix_index,
                       conv_index_table, fla_directions, plan_tree_scan, segment_levels, sequential_gated_delta_rule,
-                      tree_causal_conv1d, tree_chunk_gated_delta_rule, tree_gdn_forward, unit_lower_inverse)
+                      tree_causal_conv1d, tree_chunk_gated_delta_rule, tree_gdn_forward, tree_varlen_gated_delta_rule,
+                      unit_lower_inverse)
 from grpo.samples import TrainingSample
 from grpo.trie import pack_samples
 
@@ -454,6 +455,97 @@ def test_tree_levels_chunked_equal_sequential():
         _assert_close_to_scale(got, want, name, tol=1e-11)
 
 
+def _varlen_sequential_rule(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                            use_qk_l2norm_in_kernel):
+    """FLA's varlen signature over the token-by-token reference, segment by segment ([1, n, ...] inputs)."""
+    bounds = cu_seqlens_cpu.tolist()
+    outs, finals = [], []
+    for seg, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        state = None if initial_state is None else initial_state[seg:seg + 1]
+        o, f = sequential_gated_delta_rule(*(t[:, lo:hi] for t in (q, k, v, g, beta)), initial_state=state,
+                                           output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(f)
+    return torch.cat(outs, 1), torch.cat(finals, 0)
+
+
+@pytest.mark.parametrize("kind, share", [("nothing_shared", False), ("shared_prompt", False),
+                                         ("shared_prompt", True), ("multi_level", True)])
+def test_varlen_driver_equals_the_padded_one(kind, share):
+    """The varlen driver (levels taken as row slices where their segments lie back to back, gathered otherwise; the
+    output un-permuted only when the level-major order is not the row's) == the padded per-level driver, fp64
+    values and gradients; unshared rows take the slice path end to end."""
+    samples = [_sample(t) for t in TRIES[kind](random.Random(7))]
+    row = pack_samples(samples, share_prefixes=share)
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+    for level in plan.levels:  # a range exactly where the level's positions are one
+        idx = level.flat_index
+        is_range = bool((idx == torch.arange(int(idx[0]), int(idx[0]) + idx.numel())).all())
+        assert (level.flat_range is not None) == is_range
+        assert level.flat_range is None or level.flat_range == (int(idx[0]), int(idx[-1]) + 1)
+    order = torch.cat([level.flat_index for level in plan.levels])
+    assert plan.level_major == bool((order == torch.arange(row.num_tokens)).all())
+    if not share:  # one level, the whole row
+        assert plan.level_major and [lv.flat_range for lv in plan.levels] == [(0, row.num_tokens)]
+    if kind == "multi_level":  # the gather path is exercised too
+        assert not plan.level_major and any(lv.flat_range is None for lv in plan.levels)
+    n, h, d_k, d_v = row.num_tokens, 2, 16, 8
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
+              torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
+              torch.randn(n, h, d_v, generator=gen, dtype=torch.float64),
+              -torch.rand(n, h, generator=gen, dtype=torch.float64) * 0.2,
+              torch.rand(n, h, generator=gen, dtype=torch.float64)]
+    weights = torch.randn(n, h, d_v, generator=gen, dtype=torch.float64)
+    results = []
+    for driver, rule in ((tree_varlen_gated_delta_rule, _varlen_sequential_rule),
+                         (tree_chunk_gated_delta_rule, sequential_gated_delta_rule)):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        out = driver(rule, *xs, plan)
+        results.append([out, *torch.autograd.grad((out * weights).sum(), xs)])
+    for name, got, want in zip(["output", "d q", "d k", "d v", "d g", "d beta"], *results):
+        _assert_close_to_scale(got, want, name, tol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_tree_conv_equals_the_eager_one(seed, monkeypatch):
+    """`tree_conv_formula` under torch.compile (aot_eager: dynamo + AOTAutograd tracing, dynamic shapes; inductor's
+    codegen is checked on the GPU by bench_step --check) == the eager tree conv with bias and SiLU, fp64 values and
+    gradients, reached through `tree_causal_conv1d` once compiled; rows of several lengths and fix-row counts
+    (one with none) go through the same compiled function."""
+    import grpo.gdn as gdn
+
+    compiled_formula = torch.compile(gdn.tree_conv_formula, backend="aot_eager", dynamic=True)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[3].shape[0])
+        return compiled_formula(*args)
+
+    rng = random.Random(seed)
+    rows = [pack_samples([_sample(t) for t in multi_level(rng)][:3 + seed]),
+            pack_samples([_sample(t) for t in shared_prompt(rng)]),
+            pack_samples([_sample(_tokens(rng, 9 + seed))])]
+    for row in rows:
+        index = conv_index_table(row.token_pred, 4)
+        fix = conv_fix_index(index)
+        x = torch.randn(row.num_tokens, 6, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+        bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
+        probe = torch.randn(row.num_tokens, 6, dtype=torch.float64)
+        results = []
+        for compiled in ([counted], []):
+            monkeypatch.setattr(gdn, "_COMPILED_CONV", compiled)
+            out = tree_causal_conv1d(x, weight, bias, "silu", index, fix)
+            results.append([out, *torch.autograd.grad((out * probe).sum(), (x, weight, bias))])
+        assert calls[-1] == fix.numel()
+        for name, got, want in zip(["output", "d x", "d weight", "d bias"], *results):
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0, msg=name)
+        want = torch.nn.functional.silu(_windowed_conv(x, weight, index) + bias)  # and the definition itself
+        torch.testing.assert_close(results[0][0], want, atol=1e-12, rtol=0)
+    assert len(calls) == len(rows) and 0 in calls and max(calls) > 0
+
+
 def test_chunked_bf16_inputs():
     """bf16 inputs (the GPU training path): bf16 matmul operands, fp32 decays / inverse / state. Against the fp64
     reference on the same bf16-rounded inputs the error stays at bf16 level; with fp32 operands it is fp32-small,
@@ -677,7 +769,8 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
 
 
 def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monkeypatch):
-    """With GRPO_GDN_COMPILE=1, compile_layer_regions on a GDN model swaps in torch.compile'd state-free regions of
+    """compile_layer_regions on a GDN model compiles its gated norms and routes the tree conv through the compiled
+    formula; with GRPO_GDN_COMPILE=1 it also swaps in torch.compile'd state-free regions of
     the torch kernel (their values and gradients against the eager kernel: scripts/bench_gdn.py --compile on a GPU;
     compiling them here takes minutes of CPU), and only on a GDN model; without it they stay eager."""
     import sys
@@ -685,15 +778,23 @@ def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monk
     import grpo.gdn_kernel as gdn
     from grpo.model import compile_layer_regions, load_policy
 
+    import grpo.gdn as tree_gdn
+
     eager = gdn._chunk_prepare, gdn._chunk_output
     models = {kind: load_policy(str(tiny_models[kind]), "float32") for kind in ("qwen3", "qwen3_5")}
     modeling = {sys.modules[type(m).__module__] for model in models.values() for m in model.modules()
                 if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")}
     ropes = {module: module.apply_rotary_pos_emb for module in modeling}  # compile_layer_regions swaps these too
     try:
+        monkeypatch.setattr(tree_gdn, "_COMPILED_CONV", [])
         monkeypatch.delenv("GRPO_GDN_COMPILE", raising=False)
+        compile_layer_regions(models["qwen3"])
+        assert not tree_gdn._COMPILED_CONV  # no GDN layer: the tree conv stays eager
         compile_layer_regions(models["qwen3_5"])
         assert (gdn._chunk_prepare, gdn._chunk_output) == eager
+        assert len(tree_gdn._COMPILED_CONV) == 1  # the tree conv is compiled whenever the layers are
+        gated = [m for m in models["qwen3_5"].modules() if type(m).__name__.endswith("RMSNormGated")]
+        assert gated and all(m._compiled_call_impl is not None for m in gated)
         monkeypatch.setenv("GRPO_GDN_COMPILE", "1")
         compile_layer_regions(models["qwen3"])
         assert (gdn._chunk_prepare, gdn._chunk_output) == eager

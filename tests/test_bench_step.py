@@ -1,0 +1,36 @@
+"""scripts/bench_step.py's profile attribution: eager ops grouped by the Python site that ran them, backward ops
+by the forward site whose autograd node ran them (the GPU profile of a step reads this table)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from bench_step import print_op_sites  # noqa: E402
+
+
+def _gathered_product(x, w, index):
+    return x[index] * w  # forward: aten::index, aten::mul; backward: IndexBackward0 (index_put), MulBackward0
+
+
+def test_backward_ops_are_attributed_to_their_forward_site(capsys):
+    x = torch.randn(4096, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    index = torch.randint(0, 4096, (8192,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        (_gathered_product(x, w, index) ** 2).sum().backward()
+    print_op_sites(prof, "self_cpu_time_total", top=50)
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("OP SITES")
+    here = "test_bench_step.py("
+    assert any("fwd aten::mul " in r and here in r and "_gathered_product" in r for r in rows), rows
+    assert any("fwd aten::index " in r and here in r for r in rows), rows
+    # the backward runs on autograd's thread without Python frames: named by node and forward site instead
+    assert any(r.split("x  ", 1)[-1].startswith("bwd aten::mul in") and "MulBackward0 of mul at" in r and here in r
+               for r in rows), rows
+    assert any("IndexBackward0 of index at" in r and here in r for r in rows), rows
+    assert not any("(no Python frame)" in r and "bwd" not in r for r in rows)
