@@ -31,7 +31,8 @@ from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
 from grpo.scoring import RewardFunctionError, group_metrics, is_kept, rollout_metrics, score_group
 from grpo.server_pool import GroupHome, NoServerLeftError, Server, ServerPool
 from grpo.shared_state import LoopOptions, SharedState
-from grpo.tools import EnvironmentPool, call_tool, environment_tools, in_pool, tool_schema, with_env_prompt
+from grpo.tools import (EnvironmentPool, EnvResetError, call_tool, environment_tools, in_pool, tool_schema,
+                        with_env_prompt)
 
 log = logging.getLogger("grpo.rollout")
 model_version_var: contextvars.ContextVar[int] = contextvars.ContextVar("model_version", default=0)
@@ -50,14 +51,6 @@ class _RolloutResult:
     env_reward: tuple[type, Any] | None
     duration_s: float
     reset_error: EnvResetError | None = None
-
-
-class EnvResetError(RuntimeError):
-    """An environment's reset() (or constructor) raised on every attempt; its prompt is dropped, the run goes on."""
-
-    def __init__(self, env_name: str, attempts: int, cause: BaseException):
-        self.env_name, self.attempts, self.cause = env_name, attempts, cause
-        super().__init__(f"{env_name} reset() failed {attempts} time(s), last with {type(cause).__name__}: {cause}")
 
 
 def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool = True) -> str | None:
@@ -155,27 +148,6 @@ class RolloutScheduler:
 
     # ================================ one rollout, one group ====================================================
 
-    async def _reset_env(self, env_name: str | None, factory: Callable, row: dict[str, Any]) -> tuple[Any, Any]:
-        """(environment, what reset() returned): a pooled instance first; when it raises, up to
-        `env_reset_retries` more attempts, each on a fresh instance (a failed one is discarded, not pooled)."""
-        attempts = 1 + max(int(self.config.env_reset_retries), 0)
-        kwargs = {k: v for k, v in row.items() if k != "environment"}
-        label = _env_label(env_name, factory)
-        for attempt in range(attempts):
-            try:
-                env = self._envs.acquire(env_name, factory) if attempt == 0 else factory()
-                t0 = time.perf_counter()
-                text = await in_pool(self._pool, env.reset, **kwargs)
-                self._push("env/reset_s", time.perf_counter() - t0)
-                return env, text
-            except Exception as exc:
-                if attempt + 1 == attempts:
-                    raise EnvResetError(label, attempts, exc) from exc
-                self._push("env/reset_retry_count", 1)
-                log.warning("%s reset() failed (%s: %s); retrying on a fresh instance (attempt %d of %d)", label,
-                            type(exc).__name__, exc, attempt + 2, attempts)
-        raise AssertionError("unreachable")
-
     async def _run_rollout(self, row: dict[str, Any], group_id: int, version: int) -> _RolloutResult:
         model_version_var.set(version)
         start = time.perf_counter()
@@ -185,7 +157,8 @@ class RolloutScheduler:
         try:
             if factory is not None:
                 try:
-                    env, text = await self._reset_env(env_name, factory, row)  # pooled, reset per episode (spec)
+                    env, text = await self._envs.reset(env_name, factory, row, self.config.env_reset_retries,
+                                                       self._pool, self._push)  # pooled, reset per episode (spec)
                 except EnvResetError as exc:
                     return _RolloutResult(None, prompt, [], FoldStats(), None, time.perf_counter() - start, exc)
                 if isinstance(text, str):
@@ -513,11 +486,6 @@ class RolloutScheduler:
                                   fail_fast_on_refused=len(urls) > 1) for url in urls]
         return ServerPool(urls, clients, cfg.max_concurrent_rollouts, self.shared.servers_alive,
                           rejoin_wait_s=cfg.server_rejoin_wait_s, progress_every=cfg.progress_interval_s)
-
-
-def _env_label(env_name: str | None, factory: Callable) -> str:
-    name = getattr(factory, "__qualname__", None) or type(factory).__name__
-    return f"environment_factory[{env_name!r}] ({name})" if env_name is not None else f"environment {name}"
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

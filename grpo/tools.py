@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from grpo.scoring import is_async_callable
 
+log = logging.getLogger("grpo.rollout")
 RESERVED_ENV_METHODS = ("reset", "get_reward")
 
 
@@ -180,3 +182,38 @@ class EnvironmentPool:
 
     def release(self, name: str | None, env: Any) -> None:
         self._free.setdefault(name, []).append(env)
+
+    async def reset(self, name: str | None, factory: Callable, row: dict[str, Any], retries: int, pool,
+                    push: Callable[[str, Any], None]) -> tuple[Any, Any]:
+        """(environment, what reset() returned): a pooled instance first; when it raises, up to `retries` more
+        attempts, each on a fresh instance (a failed one is discarded, not pooled); `EnvResetError` after the last."""
+        attempts = 1 + max(int(retries), 0)
+        kwargs = {k: v for k, v in row.items() if k != "environment"}
+        label = env_label(name, factory)
+        for attempt in range(attempts):
+            try:
+                env = self.acquire(name, factory) if attempt == 0 else factory()
+                t0 = time.perf_counter()
+                text = await in_pool(pool, env.reset, **kwargs)
+                push("env/reset_s", time.perf_counter() - t0)
+                return env, text
+            except Exception as exc:
+                if attempt + 1 == attempts:
+                    raise EnvResetError(label, attempts, exc) from exc
+                push("env/reset_retry_count", 1)
+                log.warning("%s reset() failed (%s: %s); retrying on a fresh instance (attempt %d of %d)", label,
+                            type(exc).__name__, exc, attempt + 2, attempts)
+        raise AssertionError("unreachable")
+
+
+class EnvResetError(RuntimeError):
+    """An environment's reset() (or constructor) raised on every attempt; its prompt is dropped, the run goes on."""
+
+    def __init__(self, env_name: str, attempts: int, cause: BaseException):
+        self.env_name, self.attempts, self.cause = env_name, attempts, cause
+        super().__init__(f"{env_name} reset() failed {attempts} time(s), last with {type(cause).__name__}: {cause}")
+
+
+def env_label(env_name: str | None, factory: Callable) -> str:
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    return f"environment_factory[{env_name!r}] ({name})" if env_name is not None else f"environment {name}"
