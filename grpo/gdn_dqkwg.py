@@ -32,7 +32,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     batch, length, heads, d_k = k.shape
     v_heads, d_v = v.shape[2], v.shape[-1]
     scale = d_k ** -0.5 if scale is None else scale
-    idx, valid, last = _chunks(batch, length, cu_seqlens, chunk_size, k.device)
+    idx, valid, last = _chunks(batch, length, cu_seqlens, chunk_size, k.device, chunk_indices)
     n_chunks = idx.shape[0]
     f32 = torch.float32
     qc, kc, vc, doc, dvc = (_gather(x, idx, valid, v_heads).to(f32) for x in (q, k, v, do, dv.to(v.dtype)))
@@ -82,22 +82,30 @@ def _gather(x, idx, valid, v_heads: int):
 
 
 def _scatter(x, idx, valid, shape: tuple, dtype):
-    """[n_chunks, HV, C, ...] -> [B, T, HV, ...] (`shape` = (B, T, HV)) at the valid positions, zero elsewhere."""
-    rows = x.transpose(1, 2)[valid]  # [n_valid, HV, ...]
-    out = torch.zeros(shape[0] * shape[1], *rows.shape[1:], dtype=dtype, device=x.device)
-    out[idx[valid]] = rows.to(dtype)
-    return out.reshape(*shape, *rows.shape[2:])
+    """[n_chunks, HV, C, ...] -> [B, T, HV, ...] (`shape` = (B, T, HV)) at the valid positions, zero elsewhere.
+    Rows past a sequence's end land on one extra row that is dropped: no mask indexing, so no device sync."""
+    n_tokens = shape[0] * shape[1]
+    rows = x.transpose(1, 2).flatten(0, 1)  # [n_chunks * C, HV, ...]
+    out = torch.zeros(n_tokens + 1, *rows.shape[1:], dtype=dtype, device=x.device)
+    out[torch.where(valid, idx, n_tokens).reshape(-1)] = rows.to(dtype)
+    return out[:n_tokens].reshape(*shape, *rows.shape[2:])
 
 
-def _chunks(batch: int, length: int, cu_seqlens, chunk_size: int, device):
+def _chunks(batch: int, length: int, cu_seqlens, chunk_size: int, device, chunk_indices=None):
     """(idx [n, C], valid [n, C], last [n]): the flat token index of every chunk row in FLA's chunk order
     (sequence by sequence, then chunk by chunk), whether it lies inside its sequence, and each chunk's last
-    valid token."""
+    valid token. Varlen: from FLA's `chunk_indices` ([n, 2]: sequence, chunk within it; what FLA's backward
+    passes) without a device sync; from `cu_seqlens` alone the chunk count is read back from the device."""
     if cu_seqlens is None:
         per_seq = -(-length // chunk_size)
         starts = (torch.arange(batch, device=device)[:, None] * length
                   + torch.arange(per_seq, device=device)[None, :] * chunk_size).reshape(-1)
         ends = (torch.arange(batch, device=device) * length + length).repeat_interleave(per_seq)
+    elif chunk_indices is not None:
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        seq, within = chunk_indices.to(device=device, dtype=torch.long).unbind(1)
+        starts = cu[seq] + within * chunk_size
+        ends = cu[seq + 1]
     else:
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         counts = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size

@@ -85,3 +85,36 @@ def test_backward_check_passes_a_correct_backward_and_fails_a_wrong_one():
     assert _check_backward(_varlen_torch_rule(), cpu) < BACKWARD_CHECK_TOL  # bf16 inputs vs the fp32 reference
     with pytest.raises(RuntimeError, match="dk is off by"):
         _check_backward(_varlen_torch_rule(scale_dk=1.5), cpu)
+
+
+def _dqkwg_inputs(lens, heads=2, v_heads=4, d_k=16, d_v=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    length, chunks = sum(lens), sum(-(-n // 64) for n in lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    q, k = (torch.randn(1, length, heads, d_k, generator=gen) for _ in range(2))
+    v, do, dv = (torch.randn(1, length, v_heads, d_v, generator=gen) for _ in range(3))
+    w = torch.randn(1, length, v_heads, d_k, generator=gen)
+    g = -(torch.rand(1, length, v_heads, generator=gen) * 0.3)
+    h, dh = (torch.randn(1, chunks, v_heads, d_k, d_v, generator=gen) for _ in range(2))
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([-(-n // 64) for n in lens]))
+    within = torch.cat([torch.arange(-(-n // 64)) for n in lens])
+    return dict(q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=g, dv=dv, cu_seqlens=cu), torch.stack([seq, within], 1)
+
+
+def test_dqkwg_with_flas_chunk_indices_is_sync_free_and_equal():
+    """Given FLA's `chunk_indices` (what its backward passes), the varlen step has no data-dependent shape (it runs
+    under FakeTensorMode, where a device sync such as mask indexing or repeat_interleave by a tensor raises) and
+    equals the step that derives its chunks from cu_seqlens; without them, FakeTensorMode catches that path."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+    inputs, chunk_indices = _dqkwg_inputs([70, 5, 128, 64])
+    for got, want in zip(chunk_bwd_dqkwg(**inputs, chunk_indices=chunk_indices), chunk_bwd_dqkwg(**inputs)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {name: mode.from_tensor(t) for name, t in inputs.items()}
+        dq, dk, dw, dg = chunk_bwd_dqkwg(**fake, chunk_indices=mode.from_tensor(chunk_indices))
+        assert dq.shape == inputs["q"].shape and dg.shape == inputs["g"].shape
+        with pytest.raises((DynamicOutputShapeException, DataDependentOutputException)):
+            chunk_bwd_dqkwg(**fake)
