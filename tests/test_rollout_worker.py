@@ -179,7 +179,7 @@ def test_a_worker_slow_to_stop_prints_where_it_is(tiny_qwen3, capfd, monkeypatch
 
 @pytest.mark.slow
 def test_hung_worker_is_detected_by_its_heartbeat(tiny_qwen3):
-    worker = RolloutWorker(config_for(tiny_qwen3, rollout_worker_timeout=20), [{"prompt": PROMPT}],
+    worker = RolloutWorker(config_for(tiny_qwen3, rollout_worker_timeout=8), [{"prompt": PROMPT}],
                            [length_reward], loop_cls=BlockingSetup)
     worker.start()
     try:
@@ -188,7 +188,7 @@ def test_hung_worker_is_detected_by_its_heartbeat(tiny_qwen3):
             worker.get(timeout=120)
         assert time.monotonic() - start < 60
     finally:
-        worker.stop()
+        worker.stop(timeout=2)  # hung for good: terminate it without stop's usual grace
 
 
 # ---- a real run ------------------------------------------------------------------------------------------------

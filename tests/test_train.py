@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -173,13 +174,13 @@ def test_train_end_to_end_weights_reach_server(train_server, tiny_qwen3, tmp_pat
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_kill_and_resume_trains_each_prompt_once(tiny_qwen3, tmp_path):
-    """SIGKILL a run after its first checkpoint; restart the server (the recovery for a trainer killed at any
-    point, even mid-sync), resume from `latest`: prompts below the checkpoint's low-water mark are never trained
-    again, every prompt below it was trained, and the step count continues."""
+def test_kill_and_resume_trains_each_prompt_once(train_server, tmp_path):
+    """SIGKILL a run after its first checkpoint (at any point: mid-sync leaves the server paused with half-written
+    weights), resume from `latest` against the same server (its cold sync rewrites every weight and resumes it):
+    prompts below the checkpoint's low-water mark are never trained again, every prompt below it was trained, and
+    the step count continues."""
     out = tmp_path / "run"
-    server = start_server(tiny_qwen3, tmp_path)
-    cmd = _train_cmd(server.base_url, out, "--max-steps", "50", "--save-steps", "3", "--max-staleness", "100")
+    cmd = _train_cmd(train_server.base_url, out, "--max-steps", "50", "--save-steps", "3", "--max-staleness", "100")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(tmp_path / "run1.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -188,21 +189,18 @@ def test_kill_and_resume_trains_each_prompt_once(tiny_qwen3, tmp_path):
             assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
             assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
             time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     finally:
-        server.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     state = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
     low_water = state["prompt_index"]
     first_run = [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
-    server = start_server(tiny_qwen3, tmp_path)
-    try:
-        resumed = subprocess.run(_train_cmd(server.base_url, out, "--max-steps", "6", "--save-steps", "3",
-                                            "--max-staleness", "100", "--resume-from-checkpoint", "latest"),
-                                 capture_output=True, text=True, timeout=900, cwd=REPO)
-    finally:
-        server.stop()
+    resumed = subprocess.run(_train_cmd(train_server.base_url, out, "--max-steps", "6", "--save-steps", "3",
+                                        "--max-staleness", "100", "--resume-from-checkpoint", "latest"),
+                             capture_output=True, text=True, timeout=900, cwd=REPO)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert not httpx.get(f"{train_server.base_url}/is_paused").json()["is_paused"]
     records = [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
     second_run = records[len(first_run):]
     assert [r["step"] for r in second_run] == [4, 5, 6]
