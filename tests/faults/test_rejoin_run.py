@@ -24,7 +24,7 @@ def count(log, needle: str) -> int:
 def test_a_silent_then_vanished_server_is_dropped_at_the_deadline_and_rejoins_each_time(faults_server, tmp_path):
     a, b = FaultProxy(faults_server.base_url), FaultProxy(faults_server.base_url)
     out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = train_cmd(a.base_url, out, "--max-steps", "40", "--save-steps", "40", "--weight-sync-timeout", "5",
+    cmd = train_cmd(a.base_url, out, "--max-steps", "24", "--save-steps", "24", "--weight-sync-timeout", "5",
                     "--server-rejoin-interval-s", "2", "--progress-interval-s", "2")
     cmd[cmd.index("--vllm-server-base-url") + 2:cmd.index("--vllm-server-base-url") + 2] = [b.base_url]
     proc = start(cmd, log)
@@ -57,6 +57,6 @@ def test_a_silent_then_vanished_server_is_dropped_at_the_deadline_and_rejoins_ea
     assert alive and alive[-1] == 2, alive  # back to two after the second rejoin
     back = max(i for i, r in enumerate(rows) if r.get("rollout/servers_alive") == 1) if 1 in alive else 0
     assert sum(r.get("rollout/server1_rollouts_count") or 0 for r in rows[back + 1:]) > 0  # B took rollouts again
-    final = json.loads((out / "checkpoint-40" / "rollout_state.json").read_text())
+    final = json.loads((out / "checkpoint-24" / "rollout_state.json").read_text())
     result = audit(out, final["prompt_index"])
     assert result["lost"] == [] and result["twice"] == [], result
