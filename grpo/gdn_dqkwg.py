@@ -5,7 +5,8 @@ each 64-token chunk from the chunk's states h, their gradients dh, do, dv and th
 >= 3.4.0, < 3.7.1 on Hopper, and FLA raises there instead of returning wrong gradients. Every chunk's work is
 independent of the others (no recurrence), so it is a handful of batched matmuls over all chunks at once:
 `chunk_bwd_dqkwg` here computes what FLA's kernel computes, in the same precision steps (16-bit operands, fp32
-accumulation, the intra-chunk score gradient rounded to the input dtype before its two matmuls), with FLA's
+accumulation: on CUDA 16-bit GEMMs with fp32 output; the intra-chunk score gradient rounded to the input dtype
+before its two matmuls), with FLA's
 signature, so grpo/gdn_choice.py can put it in place of FLA's while every other FLA kernel stays.
 
 Per chunk c (rows t, columns s within the chunk, last valid row L, gates g in log2 space, cumulative in the chunk):
@@ -35,31 +36,32 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     idx, valid, last = _chunks(batch, length, cu_seqlens, chunk_size, k.device, chunk_indices)
     n_chunks = idx.shape[0]
     f32 = torch.float32
-    qc, kc, vc, doc, dvc = (_gather(x, idx, valid, v_heads).to(f32) for x in (q, k, v, do, dv.to(v.dtype)))
+    qc, kc, vc, doc, dvc = (_gather(x, idx, valid, v_heads) for x in (q, k, v, do, dv.to(v.dtype)))  # input dtype
     gc = (g.reshape(batch * length, v_heads)[idx] * valid[:, :, None]).transpose(1, 2)  # [n, HV, C]
     g_last = g.reshape(batch * length, v_heads)[last].to(f32)  # [n, HV]
     hc = h.reshape(n_chunks, v_heads, *h.shape[-2:])
     dhc = dh.reshape(n_chunks, v_heads, *dh.shape[-2:])
     if state_v_first:  # [V, K] states: the formulas below take [K, V]
         hc, dhc = hc.transpose(-1, -2), dhc.transpose(-1, -2)
-    h16 = hc.to(do.dtype).to(f32).transpose(-1, -2)  # [n, HV, V, K]: the kernel's h tile, rounded to do's dtype
-    dh16 = dhc.to(v.dtype).to(f32).transpose(-1, -2)
+    h16 = hc.to(do.dtype).transpose(-1, -2)  # [n, HV, V, K]: the kernel's h tile, rounded to do's dtype
+    dh16 = dhc.to(v.dtype).transpose(-1, -2)
 
     dg_last = (hc.to(f32) * dhc.to(f32)).sum((-1, -2)) * torch.exp2(g_last)  # [n, HV]
-    dq = (doc @ h16) * (torch.exp2(gc) * scale)[..., None]
+    dq = _mm(doc, h16) * (torch.exp2(gc) * scale)[..., None]
     decay = torch.where(valid[:, None, :], torch.exp2(g_last[..., None] - gc), 0.0)
-    dk = (vc @ dh16) * decay[..., None]
-    dw = -(dvc @ hc.to(v.dtype).to(f32).transpose(-1, -2))
-    dg_last = dg_last + (dk * kc).sum((-1, -2))
+    dk = _mm(vc, dh16) * decay[..., None]
+    dw = -_mm(dvc, hc.to(v.dtype).transpose(-1, -2))
+    kf, qf = kc.to(f32), qc.to(f32)
+    dg_last = dg_last + (dk * kf).sum((-1, -2))
 
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device).tril()
     mask = causal & valid[:, :, None] & valid[:, None, :]  # [n, C, C]
-    ds = torch.where(mask[:, None], (doc @ vc.transpose(-1, -2)) * torch.exp2(gc[..., :, None] - gc[..., None, :]),
+    ds = torch.where(mask[:, None], _mm(doc, vc.transpose(-1, -2)) * torch.exp2(gc[..., :, None] - gc[..., None, :]),
                      0.0) * scale
-    ds = ds.to(k.dtype).to(f32)
-    dq = dq + ds @ kc
-    dk = dk + ds.transpose(-1, -2) @ qc
-    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [n, HV, C]
+    ds = ds.to(k.dtype)  # rounded to the input dtype before its two matmuls, as the kernel does
+    dq = dq + _mm(ds, kc)
+    dk = dk + _mm(ds.transpose(-1, -2), qc)
+    dg = (dq * qf).sum(-1) - (dk * kf).sum(-1)  # [n, HV, C]
     at_last = torch.arange(chunk_size, device=k.device) == (last - idx[:, 0])[:, None]  # [n, C]
     dg = dg + torch.where(at_last[:, None, :], dg_last[..., None], 0.0)
 
@@ -70,6 +72,27 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
         dq = dq.view(batch, length, heads, v_heads // heads, d_k).sum(3)
         dk = dk.view(batch, length, heads, v_heads // heads, d_k).sum(3)
     return dq, dk, dw, dg
+
+
+_OUT_DTYPE_GEMM: list[bool] = []  # [whether torch.bmm takes out_dtype for 16-bit CUDA operands], probed once
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 for operands of one dtype ([..., M, K] x [..., K, N], same leading dims). 16-bit operands on
+    CUDA: one 16-bit GEMM accumulating in fp32 (`out_dtype`), the kernel's `tl.dot`; otherwise (CPU, fp32, a torch
+    without `out_dtype`) the fp32 product of the same values, which differs only in summation order."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
+        if not _OUT_DTYPE_GEMM:
+            try:
+                torch.bmm(a.new_zeros(1, 1, 1), b.new_zeros(1, 1, 1), out_dtype=torch.float32)
+                _OUT_DTYPE_GEMM.append(True)
+            except (TypeError, RuntimeError, NotImplementedError):
+                _OUT_DTYPE_GEMM.append(False)
+        if _OUT_DTYPE_GEMM[0]:
+            lead = a.shape[:-2]
+            out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+            return out.reshape(*lead, *out.shape[-2:])
+    return a.to(torch.float32) @ b.to(torch.float32)
 
 
 def _gather(x, idx, valid, v_heads: int):

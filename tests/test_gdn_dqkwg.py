@@ -118,3 +118,41 @@ def test_dqkwg_with_flas_chunk_indices_is_sync_free_and_equal():
         assert dq.shape == inputs["q"].shape and dg.shape == inputs["g"].shape
         with pytest.raises((DynamicOutputShapeException, DataDependentOutputException)):
             chunk_bwd_dqkwg(**fake)
+
+
+def test_dqkwg_matmuls_on_cuda_are_16_bit_gemms_with_fp32_results(monkeypatch):
+    """The step's matmul on CUDA (`_mm`): 16-bit operands straight into one `torch.bmm(..., out_dtype=float32)`
+    (FLA's tl.dot precision), traced on fake CUDA tensors (FakeTensorMode: shapes, dtypes and the op called, no GPU
+    needed), for the step's operand layouts ([n, HV, C, D] x a transposed state tile); elsewhere fp32 operands,
+    equal on CPU to the product of the same values. The values on a GPU are checked by gdn_choice's backward check
+    at start and bench_gdn.py's fla variant."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import grpo.gdn_dqkwg as dqkwg
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::bmm", "aten::mm", "aten::matmul"):
+                self.seen.append((func._overloadname, args[0].dtype, (kwargs or {}).get("out_dtype", args[2:3])))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(dqkwg, "_OUT_DTYPE_GEMM", [])
+    with FakeTensorMode():
+        a = torch.empty(5, 4, 64, 32, dtype=torch.bfloat16, device="cuda")  # [n, HV, C, D]
+        state = torch.empty(5, 4, 32, 16, dtype=torch.bfloat16, device="cuda").transpose(-1, -2)  # [n, HV, V, K]
+        with Matmuls() as seen:
+            out = dqkwg._mm(a, state.transpose(-1, -2))
+            again = dqkwg._mm(a, a.transpose(-1, -2))
+    assert dqkwg._OUT_DTYPE_GEMM == [True]
+    assert (out.shape, out.dtype, out.device.type) == ((5, 4, 64, 16), torch.float32, "cuda")
+    assert again.shape == (5, 4, 64, 64)
+    assert [s[:2] for s in seen.seen] == [("dtype", torch.bfloat16)] * 3, seen.seen  # the one-time probe + two
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 2, 8, 4, generator=gen).bfloat16(), torch.randn(3, 2, 4, 5, generator=gen).bfloat16()
+    assert dqkwg._mm(x, y).dtype == torch.float32
+    torch.testing.assert_close(dqkwg._mm(x, y), x.double() @ y.double(), check_dtype=False, atol=1e-5, rtol=1e-5)
