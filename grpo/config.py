@@ -55,12 +55,12 @@ class AsyncGRPOConfig:
     masters without FSDP2 (grpo/master_weights.py); true shards through FSDP2 anyway (a group of one, with its
     per-step casts and one-rank collectives; same numerics, 2-16 % slower on an H200). No effect on several ranks."""
     compile_layers: bool | None = None
-    """torch.compile each decoder layer's norms, MLP and rotary embedding and the log-prob head's softmax passes
-    (fused elementwise work); None = on when CUDA is available."""
+    """torch.compile each decoder layer's norms, MLP and rotary embedding, Gated DeltaNet's tree conv and gated norm,
+    and the log-prob head's softmax passes (fused elementwise work); None = on when CUDA is available."""
     gdn_kernel: Literal["auto", "fla", "torch"] = "auto"
     """Gated DeltaNet (Qwen3.5) recurrence on tree rows: fla = flash-linear-attention's varlen Triton kernel
-    (`pip install fla-core`), torch = transformers' chunked kernel per padded trie level; auto = fla on CUDA when
-    installed."""
+    (`pip install fla-core`), torch = this project's chunked torch kernel per padded trie level (grpo/gdn_kernel.py);
+    auto = fla on CUDA where installed and checked, else torch (grpo/gdn_choice.py)."""
 
     # ---- PEFT / LoRA -----------------------------------------------------------------------------------------------
     lora_r: int = 0
