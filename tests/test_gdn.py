@@ -433,19 +433,23 @@ def test_unit_lower_inverse():
     torch.testing.assert_close(unit_lower_inverse(a).double(), want, atol=1e-6, rtol=0)
 
 
-def test_tree_levels_chunked_equal_sequential():
-    """The per-level driver with the chunked kernel == with the sequential one on a several-level trie (fp64:
-    outputs and gradients, parent states carried into children)."""
-    row = pack_samples([_sample(t) for t in multi_level(random.Random(5))])
-    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
-    n, h, d_k, d_v = row.num_tokens, 2, 16, 8
-    gen = torch.Generator().manual_seed(3)
+def _recurrence_inputs(n: int, seed: int, h: int = 2, d_k: int = 16, d_v: int = 8):
+    """fp64 q, k [n, h, d_k], v [n, h, d_v], log-decays g and betas [n, h] for the tree drivers, and loss weights."""
+    gen = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
               torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
               torch.randn(n, h, d_v, generator=gen, dtype=torch.float64),
               -torch.rand(n, h, generator=gen, dtype=torch.float64) * 0.2,
               torch.rand(n, h, generator=gen, dtype=torch.float64)]
-    weights = torch.randn(n, h, d_v, generator=gen, dtype=torch.float64)
+    return inputs, torch.randn(n, h, d_v, generator=gen, dtype=torch.float64)
+
+
+def test_tree_levels_chunked_equal_sequential():
+    """The per-level driver with the chunked kernel == with the sequential one on a several-level trie (fp64:
+    outputs and gradients, parent states carried into children)."""
+    row = pack_samples([_sample(t) for t in multi_level(random.Random(5))])
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+    inputs, weights = _recurrence_inputs(row.num_tokens, seed=3)
     results = []
     for rule in (chunk_gated_delta_rule, sequential_gated_delta_rule):
         xs = [x.clone().requires_grad_() for x in inputs]
@@ -489,14 +493,7 @@ def test_varlen_driver_equals_the_padded_one(kind, share):
         assert plan.level_major and [lv.flat_range for lv in plan.levels] == [(0, row.num_tokens)]
     if kind == "multi_level":  # the gather path is exercised too
         assert not plan.level_major and any(lv.flat_range is None for lv in plan.levels)
-    n, h, d_k, d_v = row.num_tokens, 2, 16, 8
-    gen = torch.Generator().manual_seed(5)
-    inputs = [torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
-              torch.randn(n, h, d_k, generator=gen, dtype=torch.float64),
-              torch.randn(n, h, d_v, generator=gen, dtype=torch.float64),
-              -torch.rand(n, h, generator=gen, dtype=torch.float64) * 0.2,
-              torch.rand(n, h, generator=gen, dtype=torch.float64)]
-    weights = torch.randn(n, h, d_v, generator=gen, dtype=torch.float64)
+    inputs, weights = _recurrence_inputs(row.num_tokens, seed=5)
     results = []
     for driver, rule in ((tree_varlen_gated_delta_rule, _varlen_sequential_rule),
                          (tree_chunk_gated_delta_rule, sequential_gated_delta_rule)):
