@@ -34,3 +34,4 @@ def test_backward_ops_are_attributed_to_their_forward_site(capsys):
                for r in rows), rows
     assert any("IndexBackward0 of index at" in r and here in r for r in rows), rows
     assert not any("(no Python frame)" in r and "bwd" not in r for r in rows)
+    assert rows[-1].startswith("HOST SYNCS: none recorded")  # a CPU run has no CUDA runtime events
