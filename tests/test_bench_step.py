@@ -1,5 +1,5 @@
-"""scripts/bench_step.py's profile attribution: eager ops grouped by the Python site that ran them, backward ops
-by the forward site whose autograd node ran them (the GPU profile of a step reads this table)."""
+"""scripts/profile_sites.py (what bench_step.py --profile prints): eager ops grouped by the Python site that ran
+them, backward ops by the forward site whose autograd node ran them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from bench_step import print_op_sites  # noqa: E402
+from profile_sites import print_op_sites  # noqa: E402
 
 
 def _gathered_product(x, w, index):

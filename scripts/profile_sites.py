@@ -1,0 +1,118 @@
+"""Where a profiled trainer step spends its eager work and its host waits, by Python site (scripts/bench_step.py
+--profile prints both tables after the kernel table).
+
+OP SITES: each op of `SITE_OPS` grouped by the Python frames above it (forward) or, for an op autograd's thread ran
+(no Python frames), by its autograd node and the Python site of the forward op that made the node (matched by
+sequence number). HOST SYNCS: each CUDA runtime call of `SYNC_CALLS` by the op that made it and that op's site,
+with the time the host was blocked.
+"""
+
+from __future__ import annotations
+
+SITE_OPS = ("aten::copy_", "aten::mul", "aten::index", "aten::_index_put_impl_", "aten::index_add_", "aten::add",
+            "aten::add_", "aten::cat", "aten::sum", "aten::fill_", "aten::mm", "aten::bmm")
+"""The ops `print_op_sites` attributes: the eager elementwise, gather/scatter and matmul work of a step."""
+
+
+def _python_site(event, depth: int = 3) -> str | None:
+    """The first `depth` Python frames above a profiler event that are ours, FSDP2's or the model's."""
+    frames, parent = [], event.cpu_parent
+    while parent is not None and len(frames) < depth:
+        name = parent.name
+        if ".py(" in name and ("site-packages" not in name or "torch/distributed" in name
+                               or "transformers/models" in name):
+            frames.append(name.split("/")[-1])
+        parent = parent.cpu_parent
+    return " <- ".join(frames) or None
+
+
+def _backward_node(event):
+    """The autograd node (`autograd::engine::evaluate_function: XBackward0`) an op runs under, or None (forward)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("autograd::engine::evaluate_function:"):
+            return parent
+        parent = parent.cpu_parent
+    return None
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+"""CUDA runtime calls where the host waits for the GPU (`.item()`, `.tolist()`, mask indexing, `nonzero`, ...)."""
+
+
+def _site_namer(events):
+    """key(event, label): 'fwd <label>  <Python site>' for an op the forward ran, or, for one run by autograd's
+    thread (no Python frames), 'bwd <label> in <node> of <forward op> at <its Python site>' (node matched to the
+    forward op that made it by sequence number)."""
+    from collections import defaultdict
+
+    by_seq = defaultdict(list)
+    for e in events:  # sequence number -> the forward ops that recorded it (the node's op and ops inside it)
+        seq = getattr(e, "sequence_nr", -1)
+        if seq is not None and seq >= 0 and not e.name.startswith("autograd::") and _backward_node(e) is None:
+            by_seq[seq].append(e)
+
+    def forward_site(node) -> str:
+        kind = node.name.rsplit(":", 1)[-1].strip().lower()  # e.g. mulbackward0: prefer aten::mul over a cast in it
+        candidates = by_seq.get(node.sequence_nr, [])
+        named = [e for e in candidates if kind.startswith(e.name.removeprefix("aten::").strip("_").lower())]
+        for e in named + candidates:
+            site = _python_site(e)
+            if site is not None:
+                return f"{e.name.removeprefix('aten::')} at {site}"
+        return "(forward site unknown)"
+
+    def key(event, label: str) -> str:
+        node = _backward_node(event)
+        if node is None:
+            return f"fwd {label}  {_python_site(event) or '(no Python frame)'}"
+        return f"bwd {label} in {node.name.rsplit(':', 1)[-1].strip()} of {forward_site(node)}"
+
+    return key
+
+
+def print_op_sites(profiler, sort: str, top: int = 25) -> None:
+    """Where the eager work comes from: each `SITE_OPS` op grouped by the Python frames above it (forward) or, in
+    the backward, by its autograd node and the forward op's Python site (`_site_namer`): the attribution a kernel
+    table cannot give. Then where the host waited for the GPU (`SYNC_CALLS`, under which op, from which site)."""
+    from collections import defaultdict
+
+    cuda = sort.startswith("self_cuda")
+    events = list(profiler.events())
+    key = _site_namer(events)
+    total, count = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e.name in SITE_OPS:
+            k = key(e, e.name)
+            total[k] += e.self_device_time_total if cuda else e.self_cpu_time_total
+            count[k] += 1
+    grand = sum(total.values()) or 1.0
+    print(f"OP SITES ({', '.join(o.removeprefix('aten::') for o in SITE_OPS)}: top {top} of {len(total)} sites by "
+          f"self {'GPU' if cuda else 'CPU'} time over the profiled steps; {grand / 1e3:.1f} ms in all)")
+    for k in sorted(total, key=total.get, reverse=True)[:top]:
+        print(f"  {total[k] / 1e3:8.2f} ms {100 * total[k] / grand:5.1f}% {count[k]:6d}x  {k}")
+    _print_syncs(events, key, top)
+
+
+def _print_syncs(events, key, top: int) -> None:
+    """HOST SYNCS: each `SYNC_CALLS` call by the op that made it and that op's site, with the time the host was
+    blocked (the GPU then idles until the host queues work again)."""
+    from collections import defaultdict
+
+    blocked, count = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e.name not in SYNC_CALLS:
+            continue
+        op = e.cpu_parent
+        while op is not None and not op.name.startswith("aten::"):
+            op = op.cpu_parent
+        k = key(e, f"{e.name} under {op.name if op is not None else '(no op)'}")
+        blocked[k] += e.cpu_time_total
+        count[k] += 1
+    if not blocked:
+        print("HOST SYNCS: none recorded (no CUDA runtime events: a CPU run, or no sync)")
+        return
+    print(f"HOST SYNCS ({sum(count.values())} calls, the host blocked {sum(blocked.values()) / 1e3:.1f} ms over the "
+          f"profiled steps; top {top} of {len(blocked)} sites)")
+    for k in sorted(blocked, key=blocked.get, reverse=True)[:top]:
+        print(f"  {blocked[k] / 1e3:8.2f} ms {count[k]:6d}x  {k}")
