@@ -26,6 +26,7 @@ depth). Its Gated DeltaNet layers are NOT made tree-aware here: `grpo/gdn.py` re
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -63,6 +64,12 @@ def _torch_varlen():
     except ImportError:
         return None
     return varlen_attn
+
+
+@functools.cache
+def _takes_enable_gqa(fn) -> bool:
+    """Whether torch's varlen attention takes `enable_gqa` (read once, not per layer call)."""
+    return "enable_gqa" in inspect.signature(fn).parameters
 
 
 def _kernels_flash_varlen():
@@ -163,10 +170,16 @@ def _gathered_mask(ctx: TreeContext, window: int | None) -> torch.Tensor:
     return ctx.cache[key]
 
 
+def _path_kv(row: PackedRow, key: torch.Tensor, dim: int) -> torch.Tensor:
+    """`key` gathered along `dim` into each segment's root-to-segment path (kv_index order), or `key` itself when
+    nothing is shared (kv_index = arange(N)): no copy forward, no scatter-add backward."""
+    return key if row.kv_is_identity else key.index_select(dim, row.kv_index)
+
+
 def _gathered_sdpa(ctx, query, key, value, scaling, window):
-    idx = ctx.row.kv_index
     heads = query.shape[1]
-    key_g, value_g = _repeat_kv(key[:, :, idx], heads), _repeat_kv(value[:, :, idx], heads)  # [1, H, K, D]
+    key_g = _repeat_kv(_path_kv(ctx.row, key, 2), heads)  # [1, H, K, D]
+    value_g = _repeat_kv(_path_kv(ctx.row, value, 2), heads)  # [1, H, K, D]
     out = F.scaled_dot_product_attention(query, key_g, value_g, attn_mask=_gathered_mask(ctx, window),
                                          scale=scaling)  # [1, H, N, D]
     return out.transpose(1, 2)
@@ -179,13 +192,13 @@ def _flash_varlen(ctx, query, key, value, scaling, window):
     half = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else (
         torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16)
     q = query[0].transpose(0, 1).to(half)  # [N, H, D]
-    k = key[0].transpose(0, 1)[row.kv_index].to(half)  # [K, Hkv, D], shared prefixes gathered per descendant segment
-    v = value[0].transpose(0, 1)[row.kv_index].to(half)  # [K, Hkv, D]
+    k = _path_kv(row, key[0].transpose(0, 1), 0).to(half)  # [K, Hkv, D], shared prefixes gathered per descendant
+    v = _path_kv(row, value[0].transpose(0, 1), 0).to(half)  # [K, Hkv, D]
     left = -1 if window is None else window - 1
     varlen = _torch_varlen()
     if varlen is not None:
         kwargs = {"scale": scaling, "window_size": (left, 0)}
-        if "enable_gqa" in inspect.signature(varlen).parameters and k.shape[1] != q.shape[1]:
+        if k.shape[1] != q.shape[1] and _takes_enable_gqa(varlen):
             kwargs["enable_gqa"] = True
         out = varlen(q, k, v, row.cu_seqlens_q, row.cu_seqlens_k, row.max_seqlen_q, row.max_seqlen_k, **kwargs)
     else:

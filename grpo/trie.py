@@ -62,6 +62,12 @@ class PackedRow:
         return int(self.seg_parent.numel())
 
     @property
+    def kv_is_identity(self) -> bool:
+        """True when no segment has an ancestor (nothing shared): then kv_index is arange(N) and attention can read
+        K/V in place. K = N + the ancestors' lengths summed over segments, so K == N says it without a device read."""
+        return int(self.kv_index.numel()) == int(self.input_ids.numel())
+
+    @property
     def packing_ratio(self) -> float:
         return self.num_raw_tokens / max(self.num_tokens, 1)
 

@@ -83,6 +83,9 @@ def test_paths_masks_and_metadata_agree(kind):
             expect_prefix = row.kv_index[cu_k[parent]:cu_k[parent + 1]].tolist() if parent >= 0 else []
             assert seg_path[: len(seg_path) - len(own)].tolist() == expect_prefix
         assert row.max_seqlen_q == max(np.diff(cu_q)) and row.max_seqlen_k == max(np.diff(cu_k))
+        for packed in (row, pack_samples(samples, share_prefixes=False)):  # attention reads K/V in place exactly here
+            identity = packed.kv_index.tolist() == list(range(packed.num_tokens))
+            assert packed.kv_is_identity == identity == bool((packed.seg_parent < 0).all())
         assert row.cu_seqlens_q.dtype == torch.int32 and row.cu_seqlens_k.dtype == torch.int32
 
 
@@ -131,6 +134,10 @@ def test_nothing_shared_is_plain_packing():
     assert row.cu_seqlens_q.tolist() == row.cu_seqlens_k.tolist() == np.cumsum([0] + [len(s) for s in samples]).tolist()
     assert row.kv_index.tolist() == list(range(row.num_tokens))
     assert (row.seg_parent == -1).all() and row.packing_ratio == 1.0
+    from grpo.tree_attention import _path_kv
+
+    key = torch.randn(1, 2, row.num_tokens, 4)
+    assert _path_kv(row, key, 2) is key  # nothing shared: attention reads K/V in place (no gather, no scatter-add)
     shared = pack_samples(samples)
     assert shared.num_loss_terms == row.num_loss_terms and torch.equal(shared.targets, row.targets)
 
