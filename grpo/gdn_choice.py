@@ -7,8 +7,10 @@ logs the choice (logger `grpo.gdn`, where the tree path logs too).
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +55,31 @@ def _set_dqkwg(step) -> None:
     fla_chunk.chunk_bwd_dqkwg = step
 
 
+def unguarded_fla_dqkwg(own):
+    """FLA's own `chunk_bwd_dqkwg` (`own`, as FLA's gated chunk backward imports it) run past the Triton/Hopper guard
+    FLA puts in front of it, or None when this FLA has no such guard to lift (`TRITON_ABOVE_3_7_1` of
+    fla.ops.common.chunk_o). The miscompile FLA guards against (FLA issue #640) was bisected to one tiling, a 64-wide
+    key block (BK = 64); on Hopper FLA tiles 128-wide, so K = 128 heads may run correct. `gdn_kernels` uses this only
+    after it passed `_check_backward` at the model's own head sizes on this GPU."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        return None
+    if not isinstance(getattr(chunk_o, "TRITON_ABOVE_3_7_1", None), bool):
+        return None
+
+    @functools.wraps(own)
+    def unguarded(*args, **kwargs):
+        lifted = chunk_o.TRITON_ABOVE_3_7_1
+        chunk_o.TRITON_ABOVE_3_7_1 = True  # the flag the guard reads; nothing else in that module reads it
+        try:
+            return own(*args, **kwargs)
+        finally:
+            chunk_o.TRITON_ABOVE_3_7_1 = lifted
+
+    return unguarded
+
+
 def install_torch_dqkwg():
     """Put grpo/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
     step FLA refuses on Hopper with Triton >= 3.4.0, < 3.7.1; every other FLA kernel stays). Process-wide: also
@@ -82,6 +109,7 @@ class GdnKernels:
     backward: str
     reason: str
     torch_dqkwg: bool = False
+    unguarded_dqkwg: bool = False  # FLA's own dqkwg step past its guard (`unguarded_fla_dqkwg`), checked here
 
     def for_forward(self, needs_grad: bool) -> str:
         return self.backward if needs_grad else self.forward
@@ -95,6 +123,8 @@ class GdnKernels:
         bwd = names[self.backward] + (" (autograd)" if self.backward == "torch" else "")
         if self.torch_dqkwg and self.backward == "fla":
             bwd += " with its chunk_bwd_dqkwg step in torch (grpo/gdn_dqkwg.py)"
+        if self.unguarded_dqkwg and self.backward == "fla":
+            bwd += " with its own chunk_bwd_dqkwg run past its Triton guard (checked on this GPU)"
         return f"forward {fwd}; backward {bwd} ({self.reason})"
 
 
@@ -131,13 +161,14 @@ def choose_gdn_kernels(choice: str, device_type: str, fla_importable: bool, trit
 _KERNEL_CHOICE: dict = {}  # (device type, device index, choice) -> (GdnKernels, FLA's varlen rule or None)
 
 
-def gdn_kernels(choice: str, device: torch.device):
+def gdn_kernels(choice: str, device: torch.device, dims: tuple[int, int] = (64, 64)):
     """(GdnKernels, FLA's varlen rule or None) for `choice` on `device`: `choose_gdn_kernels` on this machine's
-    facts. An FLA backward must first match the torch kernel on a small varlen case (`_check_backward`), under
-    auto always and under fla when its dqkwg step was replaced; a failure moves the backward (or, when FLA's
-    forward fails too, both directions) to torch. Decided once per device and choice, and logged once (INFO:
-    which kernel runs forward and backward, and why)."""
-    key = (device.type, device.index, choice)
+    facts. An FLA backward must first match the torch kernel on a small varlen case with the model's head sizes
+    `dims` (D_k, D_v) (`_check_backward`), under auto always and under fla when FLA refuses its dqkwg step; there
+    `_settle_dqkwg` tries FLA's own step past its guard, then the torch step. A failure moves the backward (or,
+    when FLA's forward fails too, both directions) to torch. Decided once per device, choice and head sizes, and
+    logged once (INFO: which kernel runs forward and backward, and why)."""
+    key = (device.type, device.index, choice, tuple(dims))
     if key in _KERNEL_CHOICE:
         return _KERNEL_CHOICE[key]
     fla_rule, import_error, triton_version, capability, replaceable = None, None, None, None, False
@@ -159,19 +190,54 @@ def gdn_kernels(choice: str, device: torch.device):
                                      replaceable)
     except ImportError as exc:
         raise ImportError(f"{exc} ({import_error})") from import_error
-    flas_own = install_torch_dqkwg() if kernels.torch_dqkwg else None
-    if kernels.backward == "fla" and (choice == "auto" or kernels.torch_dqkwg):
+    if kernels.torch_dqkwg:
+        kernels = _settle_dqkwg(kernels, fla_rule, device, dims)
+    elif kernels.backward == "fla" and choice == "auto":
         try:
-            _check_backward(fla_rule, device)
+            _check_backward(fla_rule, device, dims)
         except Exception as exc:  # noqa: BLE001 - any kernel failure or mismatch means: use the torch path
-            if flas_own is not None:  # FLA's own step back: it raises where it is wrong, never returns wrong
-                _set_dqkwg(flas_own)
-            failed = f"FLA's backward failed its check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-            kernels = (GdnKernels("fla", "torch", f"{kernels.reason}; {failed}")
-                       if _forward_probe_passes(fla_rule, device) else GdnKernels("torch", "torch", failed))
+            kernels = _backward_to_torch(kernels, fla_rule, device, [_failure("FLA's backward", exc)])
     log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
     _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
     return _KERNEL_CHOICE[key]
+
+
+def _settle_dqkwg(kernels: GdnKernels, fla_rule, device: torch.device, dims: tuple[int, int]) -> GdnKernels:
+    """FLA refuses its gated dqkwg step on this Triton/GPU: put in the first step with which FLA's whole backward
+    passes `_check_backward` at `dims` — FLA's own past its guard (`unguarded_fla_dqkwg`; skipped with
+    GRPO_FLA_DQKWG=torch), then grpo/gdn_dqkwg.py's — or FLA's own back (it raises, never returns wrong) and the
+    backward on torch."""
+    flas_own = install_torch_dqkwg()  # FLA's step, as its backward imports it
+    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+    steps = [("torch", chunk_bwd_dqkwg)]
+    unguarded = unguarded_fla_dqkwg(flas_own) if os.environ.get("GRPO_FLA_DQKWG", "auto") != "torch" else None
+    if unguarded is not None:
+        steps.insert(0, ("unguarded", unguarded))
+    failures = []
+    for name, step in steps:
+        _set_dqkwg(step)
+        try:
+            _check_backward(fla_rule, device, dims)
+        except Exception as exc:  # noqa: BLE001 - any kernel failure or mismatch: try the next step
+            failures.append(_failure("FLA's own dqkwg step past its guard" if name == "unguarded"
+                                     else "FLA's backward with the torch dqkwg step", exc))
+            continue
+        reason = kernels.reason + "".join(f"; {f}" for f in failures)
+        return replace(kernels, reason=reason, torch_dqkwg=name == "torch", unguarded_dqkwg=name == "unguarded")
+    _set_dqkwg(flas_own)
+    return _backward_to_torch(kernels, fla_rule, device, failures)
+
+
+def _failure(what: str, exc: BaseException) -> str:
+    return f"{what} failed its check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+
+
+def _backward_to_torch(kernels: GdnKernels, fla_rule, device: torch.device, failures: list[str]) -> GdnKernels:
+    failed = "; ".join(failures)
+    if _forward_probe_passes(fla_rule, device):
+        return GdnKernels("fla", "torch", f"{kernels.reason}; {failed}")
+    return GdnKernels("torch", "torch", failed)
 
 
 BACKWARD_CHECK_TOL = 3e-2
@@ -189,19 +255,19 @@ def _forward_probe_passes(rule, device: torch.device) -> bool:
     return True
 
 
-def _probe_inputs(device: torch.device, grad: bool):
-    """q, k, v, g, beta, h0 of a two-segment varlen call (64 and 80 tokens, 2 heads of 64), as the tree path
-    makes it: bf16 q/k/v/beta, fp32 gates and initial states."""
+def _probe_inputs(device: torch.device, grad: bool, dims: tuple[int, int] = (64, 64)):
+    """q, k, v, g, beta, h0 of a two-segment varlen call (64 and 80 tokens, 2 heads of `dims` = (D_k, D_v)), as
+    the tree path makes it: bf16 q/k/v/beta, fp32 gates and initial states."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    n, h, d = 144, 2, 64
+    (n, h), (d_k, d_v) = (144, 2), dims
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
 
-    q, k, v = rand(1, n, h, d), rand(1, n, h, d), rand(1, n, h, d)
+    q, k, v = rand(1, n, h, d_k), rand(1, n, h, d_k), rand(1, n, h, d_v)
     g = (-torch.rand(1, n, h, generator=gen) * 0.2).to(device).requires_grad_(grad)
     beta = torch.rand(1, n, h, generator=gen).to(device=device, dtype=torch.bfloat16).requires_grad_(grad)
-    h0 = (torch.randn(2, h, d, d, generator=gen) * 0.1).to(device).requires_grad_(grad)
+    h0 = (torch.randn(2, h, d_k, d_v, generator=gen) * 0.1).to(device).requires_grad_(grad)
     return q, k, v, g, beta, h0
 
 
@@ -210,13 +276,13 @@ def _probe_kwargs(device: torch.device) -> dict:
     return {"cu_seqlens": cu.to(device), "cu_seqlens_cpu": cu, "use_qk_l2norm_in_kernel": True}
 
 
-def _check_backward(rule, device: torch.device) -> float:
+def _check_backward(rule, device: torch.device, dims: tuple[int, int] = (64, 64)) -> float:
     """FLA's varlen forward + backward vs grpo.gdn_kernel's torch kernel (fp32, segment by segment) on the same
     inputs: outputs, final states and every gradient (q, k, v, g, beta, initial state) within
     `BACKWARD_CHECK_TOL` of each value's scale; returns the largest such error, raises RuntimeError above it."""
     from grpo.gdn_kernel import chunk_gated_delta_rule
 
-    inputs = _probe_inputs(device, grad=True)
+    inputs = _probe_inputs(device, True, dims)
     q, k, v, g, beta, h0 = inputs
     out, final = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, **_probe_kwargs(device))
     weights = torch.randn(out.shape, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)

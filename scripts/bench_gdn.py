@@ -112,24 +112,51 @@ def variants(names: list[str], device):
             from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
             out[name] = (padded(torch_chunk_gated_delta_rule), True, "")
-        elif name == "fla":
+        elif name in ("fla", "fla-own"):
             if device.type != "cuda" or not fla_importable:
-                print("fla: skipped (needs CUDA and fla-core)")
+                print(f"{name}: skipped (needs CUDA and fla-core)")
                 continue
-            import triton
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
-
-            from grpo.gdn_choice import install_torch_dqkwg
-
-            _, backward_ok, reason = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability(device))
-            if not backward_ok and install_torch_dqkwg():  # FLA's backward, its refused step in torch
-                backward_ok = True
-                print(f"fla: {reason}; its chunk_bwd_dqkwg step runs in torch (grpo/gdn_dqkwg.py)")
-            out[name] = (functools.partial(gdn.tree_varlen_gated_delta_rule, fla_rule), backward_ok,
-                         "" if backward_ok else f"backward refused: {reason}")
+            out[name] = _fla_variant(name, device)
         else:
             raise SystemExit(f"unknown variant {name}")
     return out
+
+
+def _fla_variant(name: str, device):
+    """FLA's varlen kernels. Where FLA refuses its gated dqkwg step (Triton >= 3.4, < 3.7.1 on Hopper), `fla` runs
+    that step in torch (grpo/gdn_dqkwg.py) and `fla-own` runs FLA's own past its guard (grpo/gdn_choice.py's
+    `unguarded_fla_dqkwg`; the error columns say whether it is right at these head sizes). The step is put in at
+    each call: the two variants share FLA's module."""
+    import torch
+    import triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+    import grpo.gdn as gdn
+    from grpo.gdn_choice import _set_dqkwg, install_torch_dqkwg, unguarded_fla_dqkwg
+
+    _, backward_ok, reason = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability(device))
+    step, note = None, ""
+    if not backward_ok:
+        flas_own = install_torch_dqkwg()  # FLA's own step, as its backward imports it (None: not replaceable)
+        if flas_own is not None:
+            _set_dqkwg(flas_own)
+            from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+            step = chunk_bwd_dqkwg if name == "fla" else unguarded_fla_dqkwg(flas_own)
+        backward_ok = step is not None
+        note = (f"{reason}; its chunk_bwd_dqkwg step " + ("in torch (grpo/gdn_dqkwg.py)" if name == "fla"
+                                                            else "FLA's own, past its guard")
+                if backward_ok else f"backward refused: {reason}")
+        print(f"{name}: {note}")
+    rule = functools.partial(gdn.tree_varlen_gated_delta_rule, fla_rule)
+    if step is None:
+        return rule, backward_ok, note
+
+    def with_step(*args, **kwargs):
+        _set_dqkwg(step)  # read again by FLA's backward when it runs
+        return rule(*args, **kwargs)
+
+    return with_step, backward_ok, note
 
 
 def sync(device):
@@ -319,8 +346,8 @@ def main() -> None:
     p.add_argument("--shape", default="Qwen3.5-2B", choices=[s for s, (kind, _) in SHAPES.items() if kind == "qwen3_5"])
     p.add_argument("--rows", nargs="+", default=["tree", "plain"], choices=["tree", "plain"])
     p.add_argument("--variants", nargs="+",
-                   default=["torch", "torch-fp32mm", "sequential", "transformers", "fla"],
-                   choices=["torch", "torch-fp32mm", "torch-compiled", "sequential", "transformers", "fla"])
+                   default=["torch", "torch-fp32mm", "sequential", "transformers", "fla", "fla-own"],
+                   choices=["torch", "torch-fp32mm", "torch-compiled", "sequential", "transformers", "fla", "fla-own"])
     p.add_argument("--compile", action="store_true", help="also time torch-compiled (runs last: it compiles "
                                                           "grpo.gdn's regions for the rest of the process)")
     p.add_argument("--token-budget", type=int, default=16384)

@@ -5,7 +5,8 @@ output's largest magnitude.
 
 Then the whole of FLA's gated delta-rule forward + backward, with the torch step in place of FLA's
 (`install_torch_dqkwg`), goes through grpo/gdn_choice.py's `_check_backward` in fp32 (its error against the torch
-kernel), and once more with a step whose dk is 1.5x too large (which the check must refuse).
+kernel), and once more with a step whose dk is 1.5x too large (which the check must refuse). Last, FLA's own step
+where its guard refuses it, and past that guard (`unguarded_fla_dqkwg`).
 
 argv: repo, the folder holding `fla` (fla-core installed with --target). The interpreter cannot time kernels, so
 FLA's autotuned kernels run their first configuration. Its bf16 arithmetic is not Hopper's, so the bf16 cases
@@ -87,8 +88,8 @@ def whole_backward():
     import grpo.gdn_choice as gdn_choice
 
     make_inputs = gdn_choice._probe_inputs
-    gdn_choice._probe_inputs = lambda device, grad: [t.detach().float().requires_grad_(grad)
-                                                     for t in make_inputs(device, grad)]
+    gdn_choice._probe_inputs = lambda device, grad, *dims: [t.detach().float().requires_grad_(grad)
+                                                            for t in make_inputs(device, grad, *dims)]
     assert gdn_choice.install_torch_dqkwg() and fla_chunk.chunk_bwd_dqkwg is chunk_bwd_dqkwg
     error = gdn_choice._check_backward(chunk_gated_delta_rule, torch.device("cpu"))
 
@@ -105,6 +106,29 @@ def whole_backward():
     return error, verdict
 
 
+def unguarded_step():
+    """FLA's own step where FLA refuses it (a Hopper GPU with Triton 3.6, simulated through the flags its guard
+    reads): the guard's verdict, then FLA's whole backward with its own step past the guard
+    (`unguarded_fla_dqkwg`) through `_check_backward` at head sizes 32 x 16, and the guard's flag afterwards."""
+    import fla.ops.common.chunk_o as chunk_o
+    import fla.ops.gated_delta_rule.chunk as fla_chunk
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    import grpo.gdn_choice as gdn_choice
+
+    cpu = torch.device("cpu")
+    fla_chunk.chunk_bwd_dqkwg = fla_dqkwg  # FLA's own again (whole_backward left a broken step in)
+    chunk_o.IS_NVIDIA_HOPPER, chunk_o.TRITON_ABOVE_3_4_0, chunk_o.TRITON_ABOVE_3_7_1 = True, True, False
+    try:
+        gdn_choice._check_backward(chunk_gated_delta_rule, cpu, (32, 16))
+        refused = "ran"
+    except RuntimeError as exc:
+        refused = str(exc)
+    fla_chunk.chunk_bwd_dqkwg = gdn_choice.unguarded_fla_dqkwg(fla_dqkwg)
+    error = gdn_choice._check_backward(chunk_gated_delta_rule, cpu, (32, 16))
+    return {"refused": refused, "error": error, "flag_after": chunk_o.TRITON_ABOVE_3_7_1}
+
+
 results = {
     "fp32 batch 2, 130 tokens (a partial chunk)": case(0, 2, 130, 2, 2, 32, 32),
     "fp32 varlen 70+5+128+64, 2 key heads of 4 value heads": case(1, 0, 0, 2, 4, 32, 16, lens=[70, 5, 128, 64]),
@@ -112,5 +136,6 @@ results = {
     "bf16 varlen 100+30": case(3, 0, 0, 2, 2, 32, 32, lens=[100, 30], dtype=torch.bfloat16),
 }
 whole_error, broken_verdict = whole_backward()
-print(json.dumps({"dqkwg": results, "whole_backward_error": whole_error, "broken_step": broken_verdict}))
+print(json.dumps({"dqkwg": results, "whole_backward_error": whole_error, "broken_step": broken_verdict,
+                  "unguarded": unguarded_step()}))
 shutil.rmtree(copy, ignore_errors=True)

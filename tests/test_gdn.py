@@ -706,17 +706,21 @@ def test_torch_path_never_reaches_importable_fla(tiny_models):
                                    torch.tensor(list(here["grad_norms"].values())), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("triton_version, with_chunk, check_fails, expected, checked", [
-    ("3.6.0", False, False, ("fla", "torch", False), False),  # no replaceable step: FLA forward only, unchecked
-    ("3.7.1", False, False, ("fla", "fla", False), True),  # FLA's own backward, checked first
-    ("3.6.0", True, False, ("fla", "fla", True), True),  # FLA's backward with its dqkwg step in torch, checked
-    ("3.6.0", True, True, ("fla", "torch", False), True),  # ... which fails its check: torch for training
+@pytest.mark.parametrize("triton_version, with_chunk, guard, fails, expected, checked", [
+    ("3.6.0", False, False, (), ("fla", "torch", ""), []),  # no replaceable step: FLA forward only, unchecked
+    ("3.7.1", False, False, (), ("fla", "fla", ""), ["own"]),  # FLA's own backward, checked first
+    ("3.6.0", True, False, (), ("fla", "fla", "torch"), ["torch"]),  # FLA's backward with its dqkwg step in torch
+    ("3.6.0", True, False, ("torch",), ("fla", "torch", ""), ["torch"]),  # ... which fails its check: torch
+    ("3.6.0", True, True, (), ("fla", "fla", "unguarded"), ["unguarded"]),  # FLA's own step past its guard
+    ("3.6.0", True, True, ("unguarded",), ("fla", "fla", "torch"), ["unguarded", "torch"]),  # ... fails: torch step
+    ("3.6.0", True, True, ("unguarded", "torch"), ("fla", "torch", ""), ["unguarded", "torch"]),  # both fail
 ])
-def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, with_chunk, check_fails, expected,
+def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, with_chunk, guard, fails, expected,
                                         checked):
     """`gdn_kernels` feeds the rule the installed Triton's version and the device's capability (faked here: a
-    Hopper GPU, an importable fla), swaps FLA's dqkwg step for the torch one where FLA refuses its own, checks an
-    FLA backward against the torch kernel before using it, and logs the choice once."""
+    Hopper GPU, an importable fla), and where FLA refuses its dqkwg step tries FLA's own past its guard (when the
+    guard's flag exists), then the torch step, each checked at the model's head sizes against the torch kernel
+    before use; it puts FLA's own back when both fail, and logs the choice once."""
     import logging
     import sys
     import types
@@ -731,10 +735,16 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
     modules = [("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
                ("fla.ops.gated_delta_rule", fake)]
     chunk = types.ModuleType("fla.ops.gated_delta_rule.chunk")
-    chunk.chunk_bwd_dqkwg = flas_own = lambda *a, **k: None
+    chunk.chunk_bwd_dqkwg = flas_own = lambda *a, **k: chunk_o.TRITON_ABOVE_3_7_1  # what the guard would read
+    chunk_o = types.ModuleType("fla.ops.common.chunk_o")
+    chunk_o.TRITON_ABOVE_3_7_1 = False
     if with_chunk:
         fake.chunk = chunk
         modules.append(("fla.ops.gated_delta_rule.chunk", chunk))
+    if guard:
+        modules += [("fla.ops.common", types.ModuleType("fla.ops.common")), ("fla.ops.common.chunk_o", chunk_o)]
+    else:
+        monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", None)  # not importable
     for name, module in modules:
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(triton, "__version__", triton_version)
@@ -744,25 +754,31 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
     monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
     checks = []
 
-    def check(rule, device):
-        checks.append(chunk.chunk_bwd_dqkwg)
-        if check_fails:
+    def step_name(step) -> str:
+        return {id(flas_own): "own", id(chunk_bwd_dqkwg): "torch"}.get(id(step), "unguarded")
+
+    def check(rule, device, dims):
+        assert dims == (128, 32)  # the model's head sizes reach the check
+        checks.append(step_name(chunk.chunk_bwd_dqkwg))
+        if checks[-1] == "unguarded":
+            assert chunk.chunk_bwd_dqkwg() is True and chunk_o.TRITON_ABOVE_3_7_1 is False  # lifted for the call only
+        if checks[-1] in fails:
             raise RuntimeError("dk is off by 0.5 of its scale")
 
     monkeypatch.setattr(gdn_choice, "_check_backward", check)
     monkeypatch.setattr(gdn_choice, "_forward_probe_passes", lambda rule, device: True)
     with caplog.at_level(logging.INFO, logger="grpo.gdn"):
-        kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0))
-        assert gdn.gdn_kernels("auto", torch.device("cuda", 0)) == (kernels, rule)
-    assert (kernels.forward, kernels.backward, kernels.torch_dqkwg) == expected
+        kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0), (128, 32))
+        assert gdn.gdn_kernels("auto", torch.device("cuda", 0), (128, 32)) == (kernels, rule)
+    step = "torch" if kernels.torch_dqkwg else "unguarded" if kernels.unguarded_dqkwg else ""
+    assert (kernels.forward, kernels.backward, step) == expected
     assert rule is fake.chunk_gated_delta_rule
-    assert len(checks) == int(checked)
-    if with_chunk:  # the check ran FLA's backward with the torch step in it; a failed check puts FLA's back
-        assert checks == [chunk_bwd_dqkwg]
-    assert chunk.chunk_bwd_dqkwg is (chunk_bwd_dqkwg if kernels.torch_dqkwg else flas_own)
+    assert checks == checked
+    assert step_name(chunk.chunk_bwd_dqkwg) == (step or "own")  # a step that failed is never left in
     lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet recurrence" in r.getMessage()]
     assert len(lines) == 1 and f"backward {'fla varlen' if expected[1] == 'fla' else 'torch chunked'}" in lines[0]
-    assert ("failed its check" in lines[0]) == check_fails
+    assert ("failed its check" in lines[0]) == bool(fails)
+    assert ("past its Triton guard" in lines[0]) == (step == "unguarded")
 
 
 def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monkeypatch):

@@ -24,7 +24,8 @@ FLA_SITE = Path(os.environ.get("GRPO_FLA_SITE", REPO / ".venv" / "fla-cpu"))
 
 def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
     """Step against step in four cases (partial chunks, varlen with grouped heads, [V, K] states, bf16), then FLA's
-    whole backward with the torch step against the torch kernel, and a broken step refused by the check."""
+    whole backward with the torch step against the torch kernel, a broken step refused by the check, and FLA's own
+    step past its Triton guard (the guard's flag back afterwards)."""
     pytest.importorskip("triton")
     if not (FLA_SITE / "fla").is_dir():
         pytest.skip(f"no fla-core in {FLA_SITE}: bash scripts/install.sh cpu (or set GRPO_FLA_SITE)")
@@ -38,6 +39,9 @@ def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
         assert all(error < tol for error in errors.values()), f"{name}: {errors}"
     assert report["whole_backward_error"] < 1e-4  # FLA's whole backward with the torch step == the torch kernel
     assert report["broken_step"].startswith("dk is off by"), report["broken_step"]
+    unguarded = report["unguarded"]  # FLA's own step where its guard refuses it, then run past the guard
+    assert "Triton >= 3.4.0" in unguarded["refused"], unguarded["refused"]
+    assert unguarded["error"] < 1e-4 and unguarded["flag_after"] is False
 
 
 def test_dqkwg_rejects_what_it_does_not_cover():
