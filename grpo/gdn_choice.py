@@ -83,17 +83,19 @@ def unguarded_fla_dqkwg(own):
 def install_torch_dqkwg():
     """Put grpo/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
     step FLA refuses on Hopper with Triton >= 3.4.0, < 3.7.1; every other FLA kernel stays). Process-wide: also
-    transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. Returns the step it replaced
-    (to put back with `_set_dqkwg`), None when this FLA has no such step (its module layout changed)."""
+    transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. Returns FLA's own step (the
+    one its module held before the first replacement, remembered on that module; to put back with `_set_dqkwg`),
+    None when this FLA has no such step (its module layout changed)."""
     if not _dqkwg_replaceable():
         return None
     import fla.ops.gated_delta_rule.chunk as fla_chunk
 
     from grpo.gdn_dqkwg import chunk_bwd_dqkwg
 
-    replaced = fla_chunk.chunk_bwd_dqkwg
+    if not hasattr(fla_chunk, "_grpo_flas_own_dqkwg"):
+        fla_chunk._grpo_flas_own_dqkwg = fla_chunk.chunk_bwd_dqkwg
     _set_dqkwg(chunk_bwd_dqkwg)
-    return replaced
+    return fla_chunk._grpo_flas_own_dqkwg
 
 
 @dataclass(frozen=True)

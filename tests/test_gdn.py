@@ -779,6 +779,8 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
     assert len(lines) == 1 and f"backward {'fla varlen' if expected[1] == 'fla' else 'torch chunked'}" in lines[0]
     assert ("failed its check" in lines[0]) == bool(fails)
     assert ("past its Triton guard" in lines[0]) == (step == "unguarded")
+    if with_chunk:  # whatever step is in, FLA's own is what a later choice (other head sizes) starts from
+        assert gdn_choice.install_torch_dqkwg() is flas_own
 
 
 def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monkeypatch):
