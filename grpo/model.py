@@ -97,7 +97,7 @@ def set_gradient_checkpointing(model, fraction: float) -> int:
     return count
 
 
-def compile_layer_regions(model) -> int:
+def compile_layer_regions(model, scope: str = "regions") -> int:
     """torch.compile the elementwise-heavy regions of every decoder layer: the dense MLP (SiLU x mul fused with
     its casts), the RMSNorms (one kernel instead of ~8 fp32 passes; Gated DeltaNet's gated norm too) and the rotary
     embedding; Gated DeltaNet's tree causal conv with its SiLU (`grpo.gdn.compile_tree_conv`: ~3 fp32 passes over
@@ -110,23 +110,31 @@ def compile_layer_regions(model) -> int:
     GPU run with them on (Qwen3.5-tiny against vLLM, 2026-12-02) the trainer had not finished its first step two
     minutes after its memory probe (each region compiles again for the first rows of 2+ segments and for new ranks;
     on CPU one such compile takes ~70 s), and their gain in the whole step is not measured yet. Returns the number
-    of compiled modules."""
+    of compiled modules. `scope="layers"` compiles each dense attention layer whole instead (`whole_layers`) and the
+    regions of the other layers."""
     import os
     import sys
 
     from grpo.distributed import decoder_layers
     from grpo.gdn import compile_chunk_regions, compile_tree_conv, is_gdn_layer
 
-    compiled = 0
+    if scope not in ("regions", "layers"):
+        raise ValueError(f"compile_scope must be regions or layers, got {scope!r}")
+    whole = whole_layers(model) if scope == "layers" else []
+    for layer in whole:
+        layer.compile(dynamic=True)
+    inside = {id(m) for layer in whole for m in layer.modules()}
+    compiled = len(whole)
     if any(is_gdn_layer(m) for m in model.modules()):
         compile_tree_conv()
         compiled += 1
         if os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
             compile_chunk_regions()
             compiled += 2
-    norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
+    norms = [m for m in model.modules()
+             if type(m).__name__.endswith(("RMSNorm", "RMSNormGated")) and id(m) not in inside]
     mlps = [layer.mlp for layer in decoder_layers(model)
-            if hasattr(layer, "mlp") and type(layer.mlp).__name__.endswith("MLP")]
+            if hasattr(layer, "mlp") and type(layer.mlp).__name__.endswith("MLP") and id(layer.mlp) not in inside]
     for module in norms + mlps:
         module.compile(dynamic=True)
         compiled += 1
@@ -140,6 +148,17 @@ def compile_layer_regions(model) -> int:
             modeling.apply_rotary_pos_emb = fast
             compiled += 1
     return compiled
+
+
+def whole_layers(model) -> list:
+    """The decoder layers `compile_scope="layers"` compiles whole: attention + a dense MLP, nothing dynamo should not
+    trace (a Gated DeltaNet layer's tree scan calls FLA's Triton kernels; MoE routing has data-dependent shapes)."""
+    from grpo.distributed import decoder_layers
+    from grpo.gdn import is_gdn_layer
+
+    return [layer for layer in decoder_layers(model)
+            if hasattr(layer, "self_attn") and type(getattr(layer, "mlp", None)).__name__.endswith("MLP")
+            and not any(is_gdn_layer(m) for m in layer.modules())]
 
 
 def _is_moe(config) -> bool:

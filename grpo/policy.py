@@ -88,8 +88,9 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
     mixed_precision = bf16 and config.dtype == "float32"
     compile_layers = config.compile_layers if config.compile_layers is not None else info.device.type == "cuda"
     if compile_layers:
-        log.info("torch.compile: %d decoder regions (norms, MLPs, rotary, GDN conv) and the log-prob head's "
-                 "softmax passes", compile_layer_regions(model))
+        log.info("torch.compile (%s): %d decoder modules (whole layers or norms, MLPs, rotary, GDN conv) and the "
+                 "log-prob head's softmax passes", config.compile_scope,
+                 compile_layer_regions(model, config.compile_scope))
     cuda = info.device.type == "cuda"  # keep the head's forward logits for its backward: <= 4 GiB, counted by the probe
     policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
                           config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef),

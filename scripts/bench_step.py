@@ -47,6 +47,10 @@ SHAPES = {  # public configs' text stacks
                                    linear_value_head_dim=128, linear_conv_kernel_dim=4,
                                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
                                    tie_word_embeddings=True)),
+    # Qwen3-0.6B's 28 layers at tiny widths: on CPU the step is then mostly host work (per-op and per-compiled-call
+    # costs), the part a small model's GPU step can wait on
+    "host-qwen3": ("qwen3", dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=28,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     "tiny": ("qwen3", dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     "tiny-qwen3.5": ("qwen3_5", dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -202,8 +206,9 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
 def _ready_samples(vocab: int, ratio: float, top_k: int, args):
     """All the run's samples, generated before timing (train.py gets its samples ready-made from the rollout
     worker): shared prompts when `ratio` > 1.5."""
-    per_step = 3 * args.token_budget // 1068 + 16
-    return iter(list(itertools.islice(synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k),
+    per_step = 3 * args.token_budget // args.prompt_len + 16
+    return iter(list(itertools.islice(synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k,
+                                                       prompt_len=args.prompt_len, completion_len=args.completion_len),
                                       per_step * (args.warmup + args.first_warmup + args.steps + 3))))
 
 
@@ -405,6 +410,8 @@ def main() -> None:
                         "speeding up for ~5 steps, the later cases' after one, so without these the first case, "
                         "the defaults, read 5-20 %% slow against the variants)")
     p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--prompt-len", type=int, default=1068, help="tokens per prompt of the synthetic groups")
+    p.add_argument("--completion-len", type=int, default=256, help="tokens per completion of the synthetic groups")
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/bench_step_models"))
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--check", action="store_true",

@@ -203,3 +203,35 @@ def test_qwen3_5_text_stack_single_sample(tiny_models):
         ref = reference_logprobs(ref_model, samples)[0]
         tree = packed_logprobs(tree_model, pack_samples(samples), "sdpa")
     torch.testing.assert_close(tree, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind, checkpointing", [("qwen3", "false"), ("qwen3", "true"), ("qwen3_5", "false")])
+def test_whole_layer_compile_equals_eager(tiny_models, kind, checkpointing):
+    """`compile_scope="layers"` (grpo/model.py `whole_layers`: dense attention layers compiled whole, attention a graph
+    break; Gated DeltaNet layers keep their regions) gives the eager step's tree-packed log-probs and gradients, with
+    and without gradient checkpointing, through `build_policy` as train.py calls it (fp32 on CPU)."""
+    import dataclasses
+
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import DistInfo
+    from grpo.model import whole_layers
+    from grpo.policy import build_policy
+    from test_train import random_samples
+
+    base = AsyncGRPOConfig(model=str(tiny_models[kind]), gradient_checkpointing=checkpointing)
+    row = pack_samples(random_samples(5))
+    results = []
+    for overrides in (dict(compile_layers=False), dict(compile_layers=True, compile_scope="layers")):
+        model, policy, *_ = build_policy(dataclasses.replace(base, **overrides), DistInfo(0, 1, 0, torch.device("cpu")),
+                                         2048)
+        logp = policy(row).policy_logprobs
+        (logp @ row.advantages).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        compiled = [layer for layer in whole_layers(model) if getattr(layer, "_compiled_call_impl", None) is not None]
+        results.append((logp.detach(), grads, len(compiled), len(whole_layers(model))))
+    (eager, eager_grads, none, _), (fast, fast_grads, compiled, eligible) = results
+    assert none == 0 and compiled == eligible > 0  # every dense attention layer compiled whole, only in that mode
+    torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+    assert fast_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
