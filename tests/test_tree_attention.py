@@ -206,18 +206,24 @@ def test_qwen3_5_text_stack_single_sample(tiny_models):
 
 
 @pytest.mark.parametrize("kind, checkpointing", [("qwen3", "false"), ("qwen3", "true"), ("qwen3_5", "false")])
-def test_whole_layer_compile_equals_eager(tiny_models, kind, checkpointing):
+def test_whole_layer_compile_equals_eager(tiny_models, kind, checkpointing, monkeypatch):
     """`compile_scope="layers"` (grpo/model.py `whole_layers`: dense attention layers compiled whole, attention a graph
     break; Gated DeltaNet layers keep their regions) gives the eager step's tree-packed log-probs and gradients, with
     and without gradient checkpointing, through `build_policy` as train.py calls it (fp32 on CPU)."""
     import dataclasses
+    import importlib
 
+    import grpo.gdn as tree_gdn
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import DistInfo
     from grpo.model import whole_layers
     from grpo.policy import build_policy
     from test_train import random_samples
 
+    monkeypatch.setattr(tree_gdn, "_COMPILED_CONV", [])  # process-wide compile state, put back after the test
+    for name in ("qwen3", "qwen3_5"):
+        modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
     base = AsyncGRPOConfig(model=str(tiny_models[kind]), gradient_checkpointing=checkpointing)
     row = pack_samples(random_samples(5))
     results = []
