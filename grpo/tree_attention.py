@@ -251,10 +251,14 @@ def _flex(ctx, query, key, value, scaling, window):
 _BACKEND_FN = {"sdpa": _sdpa, "gathered_sdpa": _gathered_sdpa, "flash_varlen": _flash_varlen, "flex": _flex}
 
 
+@torch.compiler.disable
 def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: float | None = None, sliding_window: int | None = None,
                            tree_context: TreeContext | None = None, **kwargs):
-    """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None)."""
+    """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None).
+
+    Never traced by dynamo (a layer compiled whole, `compile_scope="layers"`, breaks its graph here): the row's
+    Python ints (max_seqlen_*) and per-forward cache would otherwise become guards and recompile every row."""
     if tree_context is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
