@@ -17,7 +17,8 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.kernel-cache/triton}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.kernel-cache/inductor}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
 B="python3 scripts/bench_step.py"
-timeout ${T06:-180} $B --shape Qwen3-0.6B --profile --ratio 1 3.4 --set ${SET:-compile_scope=layers} --json "$OUT/q06.json" 2>&1 \
+timeout ${T06:-180} $B --shape Qwen3-0.6B --profile --ratio 1 3.4 --set ${SET:-compile_scope=layers} \
+  --json "$OUT/q06.json" 2>&1 \
   | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/q06.log" | grep -v "^ \|^-\|^PROFILE\|Self " | tail -8
 timeout ${T17:-240} $B --shape Qwen3-1.7B --check --profile --ratio 1 3.4 --set ${SET:-compile_scope=layers} \
   --json "$OUT/q17.json" 2>&1 \
