@@ -80,22 +80,29 @@ def unguarded_fla_dqkwg(own):
     return unguarded
 
 
-def install_torch_dqkwg():
-    """Put grpo/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
-    step FLA refuses on Hopper with Triton >= 3.4.0, < 3.7.1; every other FLA kernel stays). Process-wide: also
-    transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. Returns FLA's own step (the
-    one its module held before the first replacement, remembered on that module; to put back with `_set_dqkwg`),
-    None when this FLA has no such step (its module layout changed)."""
+def flas_own_dqkwg():
+    """FLA's own `chunk_bwd_dqkwg`: the step FLA's gated chunk backward module held before this project first
+    replaced it (remembered on that module), None when this FLA has no such step (its module layout changed)."""
     if not _dqkwg_replaceable():
         return None
     import fla.ops.gated_delta_rule.chunk as fla_chunk
 
-    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
-
     if not hasattr(fla_chunk, "_grpo_flas_own_dqkwg"):
         fla_chunk._grpo_flas_own_dqkwg = fla_chunk.chunk_bwd_dqkwg
-    _set_dqkwg(chunk_bwd_dqkwg)
     return fla_chunk._grpo_flas_own_dqkwg
+
+
+def install_torch_dqkwg():
+    """Put grpo/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
+    step FLA refuses on Hopper with Triton >= 3.4.0, < 3.7.1; every other FLA kernel stays). Process-wide: also
+    transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. Returns FLA's own step
+    (`flas_own_dqkwg`, to put back with `_set_dqkwg`), None when this FLA has no such step."""
+    flas_own = flas_own_dqkwg()
+    if flas_own is not None:
+        from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+        _set_dqkwg(chunk_bwd_dqkwg)
+    return flas_own
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,7 @@ def choose_gdn_kernels(choice: str, device_type: str, fla_importable: bool, trit
     return GdnKernels("fla" if forward_ok else "torch", "fla" if forward_ok and backward_ok else "torch", reason)
 
 
-_KERNEL_CHOICE: dict = {}  # (device type, device index, choice) -> (GdnKernels, FLA's varlen rule or None)
+_KERNEL_CHOICE: dict = {}  # (device type, device index, choice, head sizes) -> (GdnKernels, FLA's rule or None)
 
 
 def gdn_kernels(choice: str, device: torch.device, dims: tuple[int, int] = (64, 64)):
@@ -209,8 +216,9 @@ def _settle_dqkwg(kernels: GdnKernels, fla_rule, device: torch.device, dims: tup
     passes `_check_backward` at `dims` — FLA's own past its guard (`unguarded_fla_dqkwg`; skipped with
     GRPO_FLA_DQKWG=torch), then grpo/gdn_dqkwg.py's — or FLA's own back (it raises, never returns wrong) and the
     backward on torch."""
-    flas_own = install_torch_dqkwg()  # FLA's step, as its backward imports it
     from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+    flas_own = flas_own_dqkwg()  # each step below is put in before its check
 
     steps = [("torch", chunk_bwd_dqkwg)]
     unguarded = unguarded_fla_dqkwg(flas_own) if os.environ.get("GRPO_FLA_DQKWG", "auto") != "torch" else None

@@ -132,14 +132,13 @@ def _fla_variant(name: str, device):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
     import grpo.gdn as gdn
-    from grpo.gdn_choice import _set_dqkwg, install_torch_dqkwg, unguarded_fla_dqkwg
+    from grpo.gdn_choice import _set_dqkwg, flas_own_dqkwg, unguarded_fla_dqkwg
 
     _, backward_ok, reason = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability(device))
     step, note = None, ""
     if not backward_ok:
-        flas_own = install_torch_dqkwg()  # FLA's own step, as its backward imports it (None: not replaceable)
+        flas_own = flas_own_dqkwg()  # None: this FLA's step cannot be replaced
         if flas_own is not None:
-            _set_dqkwg(flas_own)
             from grpo.gdn_dqkwg import chunk_bwd_dqkwg
 
             step = chunk_bwd_dqkwg if name == "fla" else unguarded_fla_dqkwg(flas_own)
