@@ -285,6 +285,7 @@ def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, 
     return {
         **case,
         "packing_ratio": totals["raw"] / max(totals["forwarded"], 1),
+        "flops_per_trained": flops / max(totals["trained"], 1) if flops else None,
         "trained_tok_s": totals["trained"] / totals["wall"],
         "forwarded_tok_s": totals["forwarded"] * info.world_size / totals["wall"],
         "mfu": mfu(flops * info.world_size if flops else None, totals["wall"], device_peak_flops(info.device),
@@ -387,8 +388,10 @@ def print_table(results: list[dict]) -> None:
     for (ratio, mode, sets), r in by_key.items():
         plain = by_key.get((ratio, "plain", sets))
         if mode == "tree" and plain:
+            ceiling = (f", FLOP ceiling {plain['flops_per_trained'] / r['flops_per_trained']:.2f}x (equal MFU)"
+                       if r.get("flops_per_trained") and plain.get("flops_per_trained") else "")
             print(f"tree / plain at ratio {ratio} ({sets}): {r['trained_tok_s'] / plain['trained_tok_s']:.2f}x "
-                  "trained tokens/s")
+                  f"trained tokens/s{ceiling}")
 
 
 def main() -> None:
