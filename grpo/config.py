@@ -57,11 +57,11 @@ class AsyncGRPOConfig:
     compile_layers: bool | None = None
     """torch.compile each decoder layer's norms, MLP and rotary embedding, Gated DeltaNet's tree conv and gated norm,
     and the log-prob head's softmax passes (fused elementwise work); None = on when CUDA is available."""
-    compile_scope: Literal["regions", "layers"] = "regions"
-    """What `compile_layers` compiles: regions = the norms, MLP and rotary embedding of each layer, one compiled call
-    each; layers = each dense attention layer whole (attention, which dynamo cannot trace, splits it into two
-    graphs), so the per-call host cost is paid ~2 times per layer instead of ~6 (Gated DeltaNet and MoE layers keep
-    their regions). For small models whose step waits on the host; not yet measured on a GPU."""
+    compile_scope: Literal["regions", "layers"] = "layers"
+    """What `compile_layers` compiles: layers = each dense attention layer whole (attention, which dynamo cannot
+    trace, splits it into two graphs; Gated DeltaNet and MoE layers keep their regions), ~2 compiled calls per layer;
+    regions = the norms, MLP and rotary embedding of each layer, one compiled call each (~6 per layer). On an H200
+    (2026-12-03) layers gave the Qwen3-0.6B step +5-17 % and Qwen3-1.7B +1-5 % trained tokens/s over regions."""
     gdn_kernel: Literal["auto", "fla", "torch"] = "auto"
     """Gated DeltaNet (Qwen3.5) recurrence on tree rows: fla = flash-linear-attention's varlen Triton kernel
     (`pip install fla-core`), torch = this project's chunked torch kernel per padded trie level (grpo/gdn_kernel.py);
