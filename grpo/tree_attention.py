@@ -11,6 +11,9 @@ Backends (same math, three formulations):
 - "flash_varlen": gather each segment's root-to-segment path K/V (kv_index) and call varlen causal attention
   with bottom-right alignment: torch's `varlen_attn(..., window_size=(-1, 0))`, or the `kernels` flash-attn
   varlen kernel when torch lacks it (TRL uses FlashAttention-3 varlen the same way).
+- "flash_split": the same attention as two varlen calls merged by log-sum-exp (grpo/tree_split.py): each segment
+  causally over itself in place, plus the children of each parent over the parent's path gathered once per parent,
+  not once per child; on CPU it runs a dense reference of the flash contract (the tests' path).
 - "flex": FlexAttention with the Euler-tour ancestor mask k <= q < subtree_end[k] (TRL PR #7328; AReaL), compiled
   on CUDA. No K/V duplication.
 - "sdpa": dense [N, N] ancestor mask + SDPA, GQA by repeating K/V heads; the CPU reference.
@@ -39,7 +42,7 @@ from grpo.trie import PackedRow
 logger = logging.getLogger(__name__)
 
 ATTN_NAME = "grpo_tree"
-BACKENDS = ("flash_varlen", "flex", "sdpa", "gathered_sdpa")
+BACKENDS = ("flash_varlen", "flash_split", "flex", "sdpa", "gathered_sdpa")
 ACTIVE_ROW: contextvars.ContextVar[PackedRow | None] = contextvars.ContextVar("ACTIVE_ROW", default=None)
 """The PackedRow being forwarded by `forward_hidden` (on the model's device); None outside it."""
 
@@ -185,12 +188,16 @@ def _gathered_sdpa(ctx, query, key, value, scaling, window):
     return out.transpose(1, 2)
 
 
+def _flash_dtype(query: torch.Tensor) -> torch.dtype:
+    """FlashAttention runs in fp16/bf16 only; fp32 masters under autocast still reach here in fp32 after RoPE."""
+    return query.dtype if query.dtype in (torch.float16, torch.bfloat16) else (
+        torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16)
+
+
 def _flash_varlen(ctx, query, key, value, scaling, window):
     row = ctx.row
     out_dtype = query.dtype
-    # FlashAttention runs in fp16/bf16 only; fp32 masters under autocast still reach here in fp32 after RoPE.
-    half = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else (
-        torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16)
+    half = _flash_dtype(query)
     q = query[0].transpose(0, 1).to(half)  # [N, H, D]
     k = _path_kv(row, key[0].transpose(0, 1), 0).to(half)  # [K, Hkv, D], shared prefixes gathered per descendant
     v = _path_kv(row, value[0].transpose(0, 1), 0).to(half)  # [K, Hkv, D]
@@ -208,6 +215,18 @@ def _flash_varlen(ctx, query, key, value, scaling, window):
                     softmax_scale=scaling, causal=True, window_size=(left, 0))
         out = out[0] if isinstance(out, tuple) else out
     return out[None].to(out_dtype)  # [1, N, H, D]
+
+
+def _flash_split(ctx, query, key, value, scaling, window):
+    if window is not None:  # no sliding window in the split formulation: the path-gathering one takes the layer
+        _log_once("tree attention flash_split: sliding-window layers run the path-gathering formulation")
+        return (_flash_varlen if query.is_cuda else _gathered_sdpa)(ctx, query, key, value, scaling, window)
+    from grpo.tree_split import split_attention
+
+    dtype = _flash_dtype(query) if query.is_cuda else query.dtype
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [N, H or Hkv, D]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return split_attention(ctx.row, q, k, v, scale, flash=query.is_cuda)[None].to(query.dtype)  # [1, N, H, D]
 
 
 def _block_mask(ctx: TreeContext, window: int | None):
@@ -248,7 +267,8 @@ def _flex(ctx, query, key, value, scaling, window):
     return out.transpose(1, 2)  # [1, N, H, D]
 
 
-_BACKEND_FN = {"sdpa": _sdpa, "gathered_sdpa": _gathered_sdpa, "flash_varlen": _flash_varlen, "flex": _flex}
+_BACKEND_FN = {"sdpa": _sdpa, "gathered_sdpa": _gathered_sdpa, "flash_varlen": _flash_varlen,
+               "flash_split": _flash_split, "flex": _flex}
 
 
 @torch.compiler.disable

@@ -48,6 +48,14 @@ class PackedRow:
     num_raw_tokens: int
     num_groups: int
     attention_cost: int  # sum over nodes of (depth + 1)
+    # Children grouped by parent, for the split attention (grpo/tree_split.py): the queries of each parent's children
+    # (their own tokens) against the parent's root-to-parent path, P parents with children, Qa queries, Ka keys
+    anc_q_index: torch.Tensor | None = None  # [Qa] long
+    anc_cu_q: torch.Tensor | None = None  # [P+1] int32
+    anc_kv_index: torch.Tensor | None = None  # [Ka] long
+    anc_cu_k: torch.Tensor | None = None  # [P+1] int32
+    anc_max_q: int = 0
+    anc_max_k: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -216,6 +224,7 @@ def pack_samples(samples: list[TrainingSample], share_prefixes: bool = True) -> 
         **{k: v for k, v in loss.items() if k not in ("token_index", "targets")},
         token_index=torch.from_numpy(loss["token_index"]),
         targets=torch.from_numpy(loss["targets"]),
+        **_ancestor_groups(parent, cu_q, paths),
     )
     row.sample_leaf = tuple(leaf_ids)
     return row
@@ -245,6 +254,29 @@ def _attention_paths(parent: list[int], cu_q: np.ndarray) -> tuple[list[np.ndarr
     cu_k = np.zeros(len(parent) + 1, dtype=np.int64)
     np.cumsum(path_len, out=cu_k[1:])
     return paths, path_len, cu_k
+
+
+def _ancestor_groups(parent: list[int], cu_q: np.ndarray, paths: list[np.ndarray]) -> dict:
+    """The PackedRow fields anc_*: per parent with children (in segment order), its children's own tokens as
+    queries and its root-to-parent path as keys (docs/design.md §7.1, the split formulation)."""
+    children: dict[int, list[int]] = {}
+    for seg, par in enumerate(parent):
+        if par >= 0:
+            children.setdefault(par, []).append(seg)
+    parents = sorted(children)
+    queries = [np.concatenate([np.arange(cu_q[c], cu_q[c + 1]) for c in children[p]]) for p in parents]
+    keys = [paths[p] for p in parents]
+    q_len = np.array([len(x) for x in queries], dtype=np.int64)
+    k_len = np.array([len(x) for x in keys], dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    return {
+        "anc_q_index": torch.from_numpy(np.concatenate(queries) if parents else empty),
+        "anc_cu_q": torch.from_numpy(np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)),
+        "anc_kv_index": torch.from_numpy(np.concatenate(keys) if parents else empty),
+        "anc_cu_k": torch.from_numpy(np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)),
+        "anc_max_q": int(q_len.max()) if parents else 0,
+        "anc_max_k": int(k_len.max()) if parents else 0,
+    }
 
 
 def _token_predecessors(parent_arr: np.ndarray, cu_q: np.ndarray, n: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: bench_step on the Qwen3-0.6B, Qwen3-1.7B and Qwen3.5-2B shapes, each with its kernel profile (the
-# table the next speed round starts from; the Qwen3 shapes also with whole decoder layers compiled,
-# --set compile_scope=layers, side by side; SET overrides that), then the GPU tests.
+# table the next speed round starts from; the Qwen3 shapes also with the split tree attention,
+# --set attn_backend=flash_split, side by side; SET overrides that), then the GPU tests.
 # Knobs: T06 T17 T35 TT (timeouts, s).
 # Needs the carried .whl (tyro & co., fla-core) when the machine lacks them. Logs under $OUT.
 set -uo pipefail
@@ -17,13 +17,14 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.kernel-cache/triton}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.kernel-cache/inductor}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
 B="python3 scripts/bench_step.py"
-timeout ${T06:-180} $B --shape Qwen3-0.6B --profile --ratio 1 3.4 --set ${SET:-compile_scope=layers} \
+timeout ${T06:-180} $B --shape Qwen3-0.6B --profile --ratio 1 3.4 --set ${SET:-attn_backend=flash_split} \
   --json "$OUT/q06.json" 2>&1 \
   | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/q06.log" | grep -v "^ \|^-\|^PROFILE\|Self " | tail -8
-timeout ${T17:-240} $B --shape Qwen3-1.7B --check --profile --ratio 1 3.4 --set ${SET:-compile_scope=layers} \
+timeout ${T17:-240} $B --shape Qwen3-1.7B --check --profile --ratio 1 3.4 --set ${SET:-attn_backend=flash_split} \
   --json "$OUT/q17.json" 2>&1 \
   | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/q17.log" | grep -v "^ \|^-\|^PROFILE\|Self " | tail -12
 timeout ${T35:-200} $B --shape Qwen3.5-2B --check --ratio 3.4 --modes tree plain --steps 3 --warmup 2 \
   --profile --json "$OUT/q35.json" 2>&1 | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/q35.log" \
   | grep -v "^ \|^-\|^PROFILE\|Self " | tail -10
-timeout ${TT:-150} python3 -m pytest -q -m gpu tests/test_gpu_step.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+timeout ${TT:-150} python3 -m pytest -q -m gpu tests/test_gpu_step.py tests/test_tree_split.py \
+  tests/test_tree_attention.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"

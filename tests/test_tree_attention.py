@@ -105,7 +105,7 @@ def _compare(ref_model, tree_model, samples, backend, share=True, atol=1e-5, gra
     return row
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "gathered_sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "gathered_sdpa", "flash_split", "flex"])
 @pytest.mark.parametrize("kind", ["shared_prompt", "multi_turn", "nothing_shared"])
 def test_tree_forward_matches_unpacked_qwen3(qwen3_pair, backend, kind):
     rng = random.Random(hash((backend, kind)) % 1000)
@@ -153,7 +153,7 @@ def test_select_backend_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash_varlen", "flex"])
+@pytest.mark.parametrize("backend", ["flash_varlen", "flash_split", "flex"])
 def test_gpu_backends_match_unpacked_bf16(tiny_qwen3, backend):
     """bf16 on CUDA: each GPU backend against per-sample unpacked forwards of an eager bf16 model, values and
     the direction of the parameter gradient of sum(logprob x advantage)."""

@@ -1,0 +1,189 @@
+"""Split tree attention (backend `flash_split`): a tree row's attention as two varlen calls merged by their
+log-sum-exp, so a shared prefix is never copied once per descendant (docs/design.md §7.1).
+
+A token of segment s attends (1) causally to its own segment and (2) to every token of its parent's path. Part (1) is
+one causal varlen call over the row as it is (segments are contiguous ranges): nothing gathered. Part (2) groups the
+segments by parent: the queries of all children of P (gathered) against path(P) (gathered once per parent, not once
+per child). The partial softmaxes merge exactly: lse = logaddexp(lse1, lse2), out = out1 e^(lse1 - lse) +
+out2 e^(lse2 - lse). The backward runs each call's flash backward with the MERGED output and lse: P = exp(S - lse)
+is then the true probability restricted to that call's keys and D = rowsum(dout * out) the true one, so the two
+calls' gradients add up to the exact gradient (the identity ring attention uses).
+
+Against `flash_varlen`, which gathers every segment's whole path (K = N + the ancestors' lengths summed over
+segments: 3.7 N for groups of 8 rollouts of a 1068-token prompt with 256-token completions), the keys read drop to
+N + sum over parents of |path(P)| (1.3 N there), and so do the gather's scatter-add backward and the GQA head sum of
+the flash backward. The FLOPs are the same.
+
+Primitives: on CUDA torch's own FlashAttention ops (`aten::_flash_attention_forward/backward`, varlen, lse
+[H, T_q] fp32); elsewhere a dense reference with the same contract (`reference_forward/backward`), which is what
+the CPU tests run, so the split, the merge and the index plan are checked against the ancestor-mask attention
+without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo.trie import PackedRow
+
+
+# --------------------------------------------------------------------------------------------- primitives
+
+def _block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[T_q, T_k] bool: query i of sequence b sees keys of b (causal: bottom-right aligned, as FlashAttention)."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    seqs = torch.arange(len(cu_q) - 1, device=cu_q.device)
+    seg_q = torch.repeat_interleave(seqs, cu_q.diff())  # [T_q]
+    seg_k = torch.repeat_interleave(seqs, cu_k.diff())  # [T_k]
+    allowed = seg_q[:, None] == seg_k[None, :]
+    if causal:
+        q_off = torch.arange(len(seg_q), device=cu_q.device) - cu_q[seg_q]
+        k_off = torch.arange(len(seg_k), device=cu_k.device) - cu_k[seg_k]
+        limit = (cu_k.diff() - cu_q.diff())[seg_q] + q_off
+        allowed = allowed & (k_off[None, :] <= limit[:, None])
+    return allowed
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _probs(q, k, cu_q, cu_k, causal, scale):
+    """Scores -> (masked scores [H, T_q, T_k] in >= fp32, mask, compute dtype)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    s = torch.einsum("qhd,khd->hqk", q.to(dtype), _repeat_heads(k, q.shape[1]).to(dtype)) * scale
+    allowed = _block_mask(cu_q, cu_k, causal)
+    return s.masked_fill(~allowed, float("-inf")), allowed, dtype
+
+
+def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """q [T_q, H, D], k/v [T_k, Hkv, D] -> (out [T_q, H, D], lse [H, T_q] fp32, aux): FlashAttention's varlen
+    contract, computed densely."""
+    s, _, dtype = _probs(q, k, cu_q, cu_k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # [H, T_q]
+    p = torch.exp(s - lse[..., None])
+    out = torch.einsum("hqk,khd->qhd", p, _repeat_heads(v, q.shape[1]).to(dtype))
+    return out.to(q.dtype), lse.to(torch.promote_types(lse.dtype, torch.float32)), None
+
+
+def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
+    """FlashAttention's backward from (dout, out, lse), computed densely; dk/dv summed over each KV head's group."""
+    s, allowed, dtype = _probs(q, k, cu_q, cu_k, causal, scale)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    p = torch.exp(s - lse.to(dtype)[..., None]).masked_fill(~allowed, 0.0)  # [H, T_q, T_k]
+    dout_c = dout.to(dtype)
+    dv = torch.einsum("hqk,qhd->khd", p, dout_c)
+    dp = torch.einsum("qhd,khd->hqk", dout_c, _repeat_heads(v, heads).to(dtype))
+    delta = (dout_c * out.to(dtype)).sum(-1).transpose(0, 1)  # [H, T_q]
+    ds = p * (dp - delta[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, _repeat_heads(k, heads).to(dtype)) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, q.to(dtype)) * scale
+    group = heads // kv_heads
+    dk = dk.reshape(dk.shape[0], kv_heads, group, -1).sum(2)
+    dv = dv.reshape(dv.shape[0], kv_heads, group, -1).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """torch's FlashAttention varlen forward (CUDA, fp16/bf16): (out, lse [H, T_q] fp32, aux for the backward)."""
+    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                  scale=scale)
+    out, lse = res[0], res[1]
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"flash_split: this torch's FlashAttention returned lse of shape {tuple(lse.shape)}, "
+                           f"not [heads, tokens] = {(q.shape[1], q.shape[0])}; use --attn-backend flash_varlen")
+    return out, lse, (res[2], res[3])
+
+
+def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0,
+                                                          causal, aux[0], aux[1], scale=scale)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------- the split
+
+@dataclass
+class SplitPlan:
+    """Index plan of one row on its device: part 1 = the row's segments, part 2 = children grouped by parent."""
+
+    cu_q: torch.Tensor  # [S+1] int32, segment bounds
+    max_q: int
+    anc_q_index: torch.Tensor  # [Qa] long, packed positions of the queries of part 2, grouped by parent
+    anc_cu_q: torch.Tensor  # [P+1] int32
+    anc_kv_index: torch.Tensor  # [Ka] long, each parent's root-to-parent path
+    anc_cu_k: torch.Tensor  # [P+1] int32
+    anc_max_q: int
+    anc_max_k: int
+    flash: bool  # CUDA primitives, else the dense reference
+
+    @classmethod
+    def of(cls, row: PackedRow, flash: bool) -> SplitPlan:
+        return cls(row.cu_seqlens_q, row.max_seqlen_q, row.anc_q_index, row.anc_cu_q, row.anc_kv_index,
+                   row.anc_cu_k, row.anc_max_q, row.anc_max_k, flash)
+
+    @property
+    def has_ancestors(self) -> bool:
+        return self.anc_max_q > 0
+
+    def ops(self):
+        return (flash_forward, flash_backward) if self.flash else (reference_forward, reference_backward)
+
+
+def _merge(out_a, lse_a, out_b, lse_b, index):
+    """Fold part 2 (rows `index` of the row) into part 1: exact softmax merge by log-sum-exp."""
+    la = lse_a.index_select(1, index)  # [H, Qa]
+    lse_m = torch.logaddexp(la, lse_b)
+    wa = torch.exp(la - lse_m).transpose(0, 1).unsqueeze(-1)  # [Qa, H, 1]
+    wb = torch.exp(lse_b - lse_m).transpose(0, 1).unsqueeze(-1)
+    merged = out_a.index_select(0, index).to(wa.dtype) * wa + out_b.to(wa.dtype) * wb
+    return out_a.index_copy(0, index, merged.to(out_a.dtype)), lse_a.index_copy(1, index, lse_m)
+
+
+class SplitAttention(torch.autograd.Function):
+    """q [N, H, D], k/v [N, Hkv, D] of one tree row -> out [N, H, D], each token over its root-to-token path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: SplitPlan, scale: float):
+        fwd, _ = plan.ops()
+        out, lse, aux = fwd(q, k, v, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale)
+        aux_b = None
+        if plan.has_ancestors:
+            qb, kb, vb = _part2_inputs(plan, q, k, v)
+            out_b, lse_b, aux_b = fwd(qb, kb, vb, plan.anc_cu_q, plan.anc_cu_k, plan.anc_max_q, plan.anc_max_k,
+                                      False, scale)
+            out, lse = _merge(out, lse, out_b, lse_b, plan.anc_q_index)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.aux = plan, scale, (aux, aux_b)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale, (aux, aux_b) = ctx.plan, ctx.scale, ctx.aux
+        _, bwd = plan.ops()
+        dout = dout.contiguous()
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale, aux)
+        if plan.has_ancestors:
+            index = plan.anc_q_index
+            qb, kb, vb = _part2_inputs(plan, q, k, v)
+            dq_b, dk_b, dv_b = bwd(dout.index_select(0, index), qb, kb, vb, out.index_select(0, index),
+                                   lse.index_select(1, index).contiguous(), plan.anc_cu_q, plan.anc_cu_k,
+                                   plan.anc_max_q, plan.anc_max_k, False, scale, aux_b)
+            dq = dq.index_add(0, index, dq_b.to(dq.dtype))  # each query once: no colliding adds
+            dk = dk.index_add(0, plan.anc_kv_index, dk_b.to(dk.dtype))
+            dv = dv.index_add(0, plan.anc_kv_index, dv_b.to(dv.dtype))
+        return dq, dk, dv, None, None
+
+
+def _part2_inputs(plan: SplitPlan, q, k, v):
+    return (q.index_select(0, plan.anc_q_index), k.index_select(0, plan.anc_kv_index),
+            v.index_select(0, plan.anc_kv_index))
+
+
+def split_attention(row: PackedRow, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    flash: bool) -> torch.Tensor:
+    """[N, H, D] attention output of `row` (q [N, H, D], k/v [N, Hkv, D]) through the split formulation."""
+    return SplitAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), SplitPlan.of(row, flash), scale)
