@@ -82,6 +82,28 @@ class TreeScanPlan:
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
     level_major: bool = False  # True when that concatenation is the row itself (unpermute is the identity)
 
+    def to(self, device, packed: bool | None = None) -> TreeScanPlan:
+        """The plan on `device`, every table in one copy (grpo/trie.py `to_device`); cu_seqlens_cpu stays."""
+        from dataclasses import replace
+
+        from grpo.trie import to_device
+
+        level_fields = ("gather_index", "valid", "valid_index", "parent_slot", "flat_index", "cu_seqlens")
+        flat = [self.conv_index, self.conv_fix_index, self.unpermute]
+        flat += [getattr(level, name) for level in self.levels for name in level_fields]
+        moved = iter(to_device(flat, device, packed))
+        head = {name: next(moved) for name in ("conv_index", "conv_fix_index", "unpermute")}
+        levels = [replace(level, **{name: next(moved) for name in level_fields}) for level in self.levels]
+        return replace(self, levels=levels, **head)
+
+
+def row_plan(row, kernel_size: int) -> TreeScanPlan:
+    """`plan_tree_scan` of `row`, built from its CPU twin when it has one (`PackedRow.host`: no device reads, no
+    small copies, each of which drained the GPU's queue) and moved in one copy."""
+    host = row.host if row.host is not None else row
+    plan = plan_tree_scan(host.token_pred, host.cu_seqlens_q, host.seg_parent, kernel_size)
+    return plan if host is row else plan.to(row.input_ids.device)
+
 
 def conv_index_table(token_pred: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """[N, K_c] table whose column i holds pred_{K_c-1-i}(n) (N past the root), matching `nn.Conv1d` taps.
@@ -424,7 +446,7 @@ class _RowPlanCache:
 
     def get(self, row, kernel_size: int) -> TreeScanPlan:
         if row is not self.row or kernel_size != self.kernel_size:
-            self.plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, kernel_size)
+            self.plan = row_plan(row, kernel_size)
             self.row, self.kernel_size = row, kernel_size
         return self.plan
 
@@ -444,8 +466,7 @@ def _active_row_and_plan(layer, plan_cache: _RowPlanCache, tree_context):
     key = ("gdn_plan", layer.conv_kernel_size)
     if key not in tree_context.cache:
         row = tree_context.row
-        tree_context.cache[key] = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent,
-                                                 layer.conv_kernel_size)
+        tree_context.cache[key] = row_plan(row, layer.conv_kernel_size)
     return tree_context.row, tree_context.cache[key]
 
 

@@ -80,12 +80,18 @@ class PackedRow:
         return self.num_raw_tokens / max(self.num_tokens, 1)
 
     def to(self, device, non_blocking: bool = False) -> PackedRow:
-        moved = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+        """The row on `device`. A CPU row goes to a GPU in one pinned copy (`to_device`) and keeps its CPU twin as
+        `host`, so index plans read host values there instead of syncing on the device's."""
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        on_host = self.input_ids.device.type == "cpu"
+        if on_host and torch.device(device).type == "cuda":
+            moved.update(zip(names, to_device([moved[n] for n in names], device)))
+        else:
+            moved.update({n: moved[n].to(device, non_blocking=non_blocking) for n in names})
         row = PackedRow(**moved)
         row.sample_leaf = self.sample_leaf
+        row.host = self if on_host else self.host
         return row
 
     def ancestor_mask(self) -> torch.Tensor:
@@ -101,6 +107,30 @@ class PackedRow:
 
     sample_leaf: ClassVar[tuple[int, ...]] = ()
     """Leaf segment of each sample (set per instance by `pack_samples`; not a tensor field)."""
+    host: ClassVar[PackedRow | None] = None
+    """The CPU row this one was copied from (set per instance by `to`), None for a row built where it is."""
+
+
+def to_device(tensors: list[torch.Tensor | None], device, packed: bool | None = None) -> list[torch.Tensor | None]:
+    """CPU tensors on `device` (None passes through). To CUDA (or with `packed=True`) they travel as ONE buffer:
+    packed byte-wise into pinned host memory, one non-blocking copy, views cut out on the device. A copy from
+    pageable memory makes CUDA synchronise the stream first, so moving a row field by field drained the GPU's
+    queue once per field while the host waited."""
+    device = torch.device(device)
+    if not (packed if packed is not None else device.type == "cuda"):
+        return [t if t is None else t.to(device) for t in tensors]
+    layout, offset = [], 0
+    for t in tensors:
+        nbytes = 0 if t is None else t.numel() * t.element_size()
+        layout.append(None if t is None else (offset, nbytes, t.dtype, tuple(t.shape)))
+        offset += -(-nbytes // 16) * 16  # 16-byte aligned views for every dtype
+    buf = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for t, place in zip(tensors, layout):
+        if place is not None and place[1]:
+            buf[place[0]:place[0] + place[1]] = t.contiguous().view(-1).view(torch.uint8)
+    buf = buf.to(device, non_blocking=True)
+    return [None if place is None else buf[place[0]:place[0] + place[1]].view(place[2]).view(place[3])
+            for place in layout]
 
 
 def _keys(tokens: np.ndarray) -> np.ndarray:

@@ -172,3 +172,44 @@ def test_to_keeps_sample_paths():
     assert [p.tolist() for p in moved.sample_paths()] == [p.tolist() for p in row.sample_paths()]
     with pytest.raises(ValueError, match="at least one"):
         pack_samples([])
+
+
+def test_to_device_packs_every_field_into_one_buffer_and_back():
+    """`to_device`'s one-buffer path (what a CPU row takes to a GPU, forced here on CPU): every dtype, shape and
+    None comes back equal, and all tensors are views of one storage (one copy)."""
+    from grpo.trie import to_device
+
+    row = pack_samples(random_row_samples(random.Random(7), "multi_turn"))
+    odd = [torch.tensor([True, False, True]), torch.zeros(0, 3), torch.randn(2, 2, dtype=torch.float64)[:, 0],
+           torch.tensor(3.5), None]
+    tensors = [v for v in vars(row).values() if isinstance(v, torch.Tensor)] + odd
+    moved = to_device(tensors, "cpu", packed=True)
+    storages = {t.untyped_storage().data_ptr() for t in moved if t is not None}
+    assert len(storages) == 1
+    for before, after in zip(tensors, moved):
+        if before is None:
+            assert after is None
+            continue
+        assert after.dtype == before.dtype and after.shape == before.shape
+        assert torch.equal(after, before)
+
+
+def test_plans_from_the_host_twin_equal_plans_from_the_row():
+    """A GPU row keeps its CPU twin (`PackedRow.host`); the GDN plan built from it and moved in one copy equals the
+    plan built where the row is, table for table."""
+    from grpo.gdn import plan_tree_scan
+
+    for kind in ("shared_prompt", "multi_turn", "nothing_shared"):
+        row = pack_samples(random_row_samples(random.Random(3), kind))
+        assert row.host is None and row.to("cpu").host is row
+        direct = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+        moved = direct.to("cpu", packed=True)
+        assert moved.level_major == direct.level_major and len(moved.levels) == len(direct.levels)
+        for name in ("conv_index", "conv_fix_index", "unpermute"):
+            assert torch.equal(getattr(moved, name), getattr(direct, name)), name
+        for a, b in zip(moved.levels, direct.levels):
+            for name in ("gather_index", "valid", "valid_index", "flat_index", "cu_seqlens", "cu_seqlens_cpu"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert (a.parent_slot is None) == (b.parent_slot is None)
+            assert a.parent_slot is None or torch.equal(a.parent_slot, b.parent_slot)
+            assert a.flat_range == b.flat_range
