@@ -279,6 +279,12 @@ def compile_tree_conv(**compile_kwargs) -> None:
 
 # ------------------------------------------------------------------------------------------------ tree drivers
 
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along dim 0 for an index of any shape, as `index_select`: its backward is one `index_add_`, where
+    advanced indexing's (`index_put_` with accumulate) sorts the indices first on CUDA."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
+
 def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
     """A padded-batch gated delta rule over a segment tree, one `chunk_rule` call per level.
 
@@ -289,12 +295,12 @@ def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: Tr
     padded = [F.pad(t, (0, 0) * (t.dim() - 1) + (0, 1)) for t in (query, key, value, g, beta)]  # zero row N
     outputs, final_states = [], None
     for level in plan.levels:
-        q_l, k_l, v_l, g_l, beta_l = (t[level.gather_index] for t in padded)  # [B, T, ...]
-        initial_state = None if level.parent_slot is None else final_states[level.parent_slot]  # [B, H, D_k, D_v]
+        q_l, k_l, v_l, g_l, beta_l = (_take(t, level.gather_index) for t in padded)  # [B, T, ...]
+        initial_state = None if level.parent_slot is None else _take(final_states, level.parent_slot)  # [B, H, ..]
         out_l, final_states = chunk_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
-        outputs.append(out_l.flatten(0, 1)[level.valid_index])  # [n_level, H, D_v]
-    return torch.cat(outputs)[plan.unpermute]  # [N, H, D_v]
+        outputs.append(_take(out_l.flatten(0, 1), level.valid_index))  # [n_level, H, D_v]
+    return _take(torch.cat(outputs), plan.unpermute)  # [N, H, D_v]
 
 
 def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
@@ -309,14 +315,14 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: 
             start, stop = level.flat_range
             q_l, k_l, v_l, g_l, beta_l = (t[start:stop].contiguous()[None] for t in (query, key, value, g, beta))
         else:
-            q_l, k_l, v_l, g_l, beta_l = (t[level.flat_index][None] for t in (query, key, value, g, beta))  # [1, n..]
-        initial_state = None if level.parent_slot is None else final_states[level.parent_slot]  # [B, H, D_k, D_v]
+            q_l, k_l, v_l, g_l, beta_l = (_take(t, level.flat_index)[None] for t in (query, key, value, g, beta))
+        initial_state = None if level.parent_slot is None else _take(final_states, level.parent_slot)  # [B, H, ..]
         out_l, final_states = varlen_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True,
                                           cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
         outputs.append(out_l[0])  # [n_level, H, D_v]
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, D_v] level-major
-    return out if plan.level_major else out[plan.unpermute]  # [N, H, D_v]
+    return out if plan.level_major else _take(out, plan.unpermute)  # [N, H, D_v]
 
 
 def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> torch.Tensor:
