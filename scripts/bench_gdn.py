@@ -340,6 +340,9 @@ def main() -> None:
     import torch
 
     from bench_step import SHAPES
+    from grpo.model import cache_triton_autotuning
+
+    cache_triton_autotuning()  # before fla imports, as the trainer does
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="Qwen3.5-2B", choices=[s for s, (kind, _) in SHAPES.items() if kind == "qwen3_5"])

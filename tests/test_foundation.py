@@ -110,3 +110,26 @@ def test_cpu_server_survives_concurrent_seeded_prefills(vllm_server, tiny_qwen3)
 
     assert asyncio.run(burst()) == {200}
     assert vllm_server.alive()
+
+
+def test_triton_autotune_results_are_cached_unless_the_environment_says_otherwise(monkeypatch):
+    """`cache_triton_autotuning` (called before the model loads, so before flash-linear-attention builds its
+    autotuners) turns Triton's on-disk autotune cache on, and an autotuner built afterwards reads it."""
+    from grpo.model import cache_triton_autotuning
+
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    assert cache_triton_autotuning() is False
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING")
+    assert cache_triton_autotuning() is True
+    triton = pytest.importorskip("triton")
+    from triton.runtime.autotuner import Autotuner
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tuner = triton.autotune(configs=[triton.Config({})], key=[])(triton.jit(_triton_copy))
+    assert isinstance(tuner, Autotuner) and tuner.cache_results
+
+
+def _triton_copy(x_ptr, y_ptr):
+    import triton.language as tl
+
+    tl.store(y_ptr, tl.load(x_ptr))
