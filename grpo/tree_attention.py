@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from grpo.tree_split import repeat_kv, varlen_mask
 from grpo.trie import PackedRow
 
 logger = logging.getLogger(__name__)
@@ -142,15 +143,11 @@ def _dense_mask(ctx: TreeContext, window: int | None) -> torch.Tensor:
     return ctx.cache[key]
 
 
-def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
 def _sdpa(ctx, query, key, value, scaling, window):
     # query [1, H, N, D], key/value [1, Hkv, N, D]
     mask = _dense_mask(ctx, window)
     heads = query.shape[1]
-    out = F.scaled_dot_product_attention(query, _repeat_kv(key, heads), _repeat_kv(value, heads),
+    out = F.scaled_dot_product_attention(query, repeat_kv(key, heads), repeat_kv(value, heads),
                                          attn_mask=mask, scale=scaling)  # [1, H, N, D]
     return out.transpose(1, 2)
 
@@ -159,17 +156,7 @@ def _gathered_mask(ctx: TreeContext, window: int | None) -> torch.Tensor:
     """[N, K] bool: query j of a segment of length Lq over a path of length Lk sees path keys 0 .. Lk - Lq + j."""
     key = ("gathered", window)
     if key not in ctx.cache:
-        row = ctx.row
-        cu_q, cu_k = row.cu_seqlens_q.long(), row.cu_seqlens_k.long()
-        seg_q = torch.repeat_interleave(torch.arange(len(cu_q) - 1, device=cu_q.device), cu_q.diff())  # [N]
-        seg_k = torch.repeat_interleave(torch.arange(len(cu_k) - 1, device=cu_k.device), cu_k.diff())  # [K]
-        q_off = torch.arange(len(seg_q), device=cu_q.device) - cu_q[seg_q]  # [N]
-        k_off = torch.arange(len(seg_k), device=cu_k.device) - cu_k[seg_k]  # [K]
-        limit = (cu_k.diff() - cu_q.diff())[seg_q] + q_off  # [N], bottom-right alignment
-        mask = (seg_q[:, None] == seg_k[None, :]) & (k_off[None, :] <= limit[:, None])
-        if window is not None:
-            mask = mask & (k_off[None, :] > limit[:, None] - window)
-        ctx.cache[key] = mask
+        ctx.cache[key] = varlen_mask(ctx.row.cu_seqlens_q, ctx.row.cu_seqlens_k, True, window)
     return ctx.cache[key]
 
 
@@ -181,8 +168,8 @@ def _path_kv(row: PackedRow, key: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _gathered_sdpa(ctx, query, key, value, scaling, window):
     heads = query.shape[1]
-    key_g = _repeat_kv(_path_kv(ctx.row, key, 2), heads)  # [1, H, K, D]
-    value_g = _repeat_kv(_path_kv(ctx.row, value, 2), heads)  # [1, H, K, D]
+    key_g = repeat_kv(_path_kv(ctx.row, key, 2), heads)  # [1, H, K, D]
+    value_g = repeat_kv(_path_kv(ctx.row, value, 2), heads)  # [1, H, K, D]
     out = F.scaled_dot_product_attention(query, key_g, value_g, attn_mask=_gathered_mask(ctx, window),
                                          scale=scaling)  # [1, H, N, D]
     return out.transpose(1, 2)

@@ -31,8 +31,10 @@ from grpo.trie import PackedRow
 
 # --------------------------------------------------------------------------------------------- primitives
 
-def _block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[T_q, T_k] bool: query i of sequence b sees keys of b (causal: bottom-right aligned, as FlashAttention)."""
+def varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: int | None = None) -> torch.Tensor:
+    """[T_q, T_k] bool: query i of sequence b sees the keys of b; causal: bottom-right aligned, as FlashAttention
+    (query j of an Lq-query sequence over Lk keys sees keys 0 .. Lk - Lq + j), and with `window` only the last
+    `window` of those."""
     cu_q, cu_k = cu_q.long(), cu_k.long()
     seqs = torch.arange(len(cu_q) - 1, device=cu_q.device)
     seg_q = torch.repeat_interleave(seqs, cu_q.diff())  # [T_q]
@@ -43,18 +45,21 @@ def _block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool) -> torch.T
         k_off = torch.arange(len(seg_k), device=cu_k.device) - cu_k[seg_k]
         limit = (cu_k.diff() - cu_q.diff())[seg_q] + q_off
         allowed = allowed & (k_off[None, :] <= limit[:, None])
+        if window is not None:
+            allowed = allowed & (k_off[None, :] > limit[:, None] - window)
     return allowed
 
 
-def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[T, Hkv, D] (or [1, Hkv, T, D]) with each KV head repeated for its group of `heads` query heads (dim 1)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def _probs(q, k, cu_q, cu_k, causal, scale):
     """Scores -> (masked scores [H, T_q, T_k] in >= fp32, mask, compute dtype)."""
     dtype = torch.promote_types(q.dtype, torch.float32)
-    s = torch.einsum("qhd,khd->hqk", q.to(dtype), _repeat_heads(k, q.shape[1]).to(dtype)) * scale
-    allowed = _block_mask(cu_q, cu_k, causal)
+    s = torch.einsum("qhd,khd->hqk", q.to(dtype), repeat_kv(k, q.shape[1]).to(dtype)) * scale
+    allowed = varlen_mask(cu_q, cu_k, causal)
     return s.masked_fill(~allowed, float("-inf")), allowed, dtype
 
 
@@ -64,8 +69,8 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     s, _, dtype = _probs(q, k, cu_q, cu_k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # [H, T_q]
     p = torch.exp(s - lse[..., None])
-    out = torch.einsum("hqk,khd->qhd", p, _repeat_heads(v, q.shape[1]).to(dtype))
-    return out.to(q.dtype), lse.to(torch.promote_types(lse.dtype, torch.float32)), None
+    out = torch.einsum("hqk,khd->qhd", p, repeat_kv(v, q.shape[1]).to(dtype))
+    return out.to(q.dtype), lse, None
 
 
 def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
@@ -75,10 +80,10 @@ def reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
     p = torch.exp(s - lse.to(dtype)[..., None]).masked_fill(~allowed, 0.0)  # [H, T_q, T_k]
     dout_c = dout.to(dtype)
     dv = torch.einsum("hqk,qhd->khd", p, dout_c)
-    dp = torch.einsum("qhd,khd->hqk", dout_c, _repeat_heads(v, heads).to(dtype))
+    dp = torch.einsum("qhd,khd->hqk", dout_c, repeat_kv(v, heads).to(dtype))
     delta = (dout_c * out.to(dtype)).sum(-1).transpose(0, 1)  # [H, T_q]
     ds = p * (dp - delta[..., None])
-    dq = torch.einsum("hqk,khd->qhd", ds, _repeat_heads(k, heads).to(dtype)) * scale
+    dq = torch.einsum("hqk,khd->qhd", ds, repeat_kv(k, heads).to(dtype)) * scale
     dk = torch.einsum("hqk,qhd->khd", ds, q.to(dtype)) * scale
     group = heads // kv_heads
     dk = dk.reshape(dk.shape[0], kv_heads, group, -1).sum(2)
