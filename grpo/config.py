@@ -44,9 +44,9 @@ class AsyncGRPOConfig:
     router_aux_loss_coef: float | None = None
     """MoE load-balancing loss weight; None = the model config's value, 0 disables. Errors on a dense model."""
     attn_backend: Literal["auto", "flash_varlen", "flash_split", "flex", "sdpa"] = "auto"
-    """Tree-attention backend: auto picks FlashAttention varlen / FlexAttention on CUDA, the SDPA reference on CPU.
-    flash_split: shared prefixes read once per parent instead of once per descendant (two flash calls merged by
-    log-sum-exp; not measured on a GPU yet)."""
+    """Tree-attention backend. auto: flash_split on CUDA (sm80+), else FlashAttention varlen / FlexAttention, the
+    SDPA reference on CPU. flash_split reads each shared prefix once per parent (two flash calls merged by
+    log-sum-exp); flash_varlen gathers every segment's whole path (a prefix once per descendant)."""
     gradient_checkpointing: Literal["auto", "true", "false"] = "auto"
     """Recompute activations in the backward pass. auto: measured before the first step with a worst-case
     micro-batch; off when the peak fits the GPU, otherwise just enough layers to fit (selective); off on CPU."""

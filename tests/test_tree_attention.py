@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+import grpo.tree_attention as ta
 from grpo.samples import TrainingSample
 from grpo.tree_attention import ACTIVE_ROW, forward_hidden, lm_head_weight, select_backend
 from grpo.trie import pack_samples
@@ -133,7 +134,6 @@ def test_tree_forward_matches_unpacked_moe(moe_pair, kind):
 
 
 def test_active_row_is_set_only_during_forward(qwen3_pair, monkeypatch):
-    import grpo.tree_attention as ta
 
     seen = []
     inner = ta._BACKEND_FN["sdpa"]
@@ -150,6 +150,24 @@ def test_select_backend_cpu():
         select_backend("flash_varlen", "cpu")
     with pytest.raises(ValueError, match="unknown"):
         select_backend("nope", "cpu")
+
+
+def test_select_backend_auto_on_cuda(monkeypatch):
+    """auto on a GPU: flash_split where torch's FlashAttention ops run, else flash_varlen; asking for flash_split
+    where they do not raises with the alternatives named (availability stubbed: this machine has no GPU)."""
+    monkeypatch.setattr(ta, "_split_available", lambda device: True)
+    assert select_backend("auto", "cuda") == "flash_split"
+    monkeypatch.setattr(ta, "_split_available", lambda device: False)
+    monkeypatch.setattr(ta, "_torch_varlen", lambda: object())
+    assert select_backend("auto", "cuda") == "flash_varlen"
+    with pytest.raises(RuntimeError, match="flash_varlen"):
+        select_backend("flash_split", "cuda")
+
+
+@pytest.mark.gpu
+def test_select_backend_auto_on_this_gpu():
+    assert select_backend("auto", "cuda") == ("flash_split" if torch.cuda.get_device_capability() >= (8, 0)
+                                              else "flash_varlen")
 
 
 @pytest.mark.gpu
