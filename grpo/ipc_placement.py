@@ -17,6 +17,9 @@ import torch
 log = logging.getLogger("grpo.ipc_transfer")
 
 BACKEND = "ipc"
+IPC_BACKENDS = (BACKEND, "ipc_inplace")
+"""Server backends that take the ipc sender's updates: vLLM's own, and the same receiver loading in place
+(grpo/vllm_ipc_inplace.py)."""
 CUDA_CONTEXT_BYTES = 1 << 30
 """The trainer process's CUDA context, cuBLAS/NCCL workspaces: on the GPU but outside the allocator's counts."""
 
@@ -143,7 +146,7 @@ def check_ipc_servers(servers: list[ServerView]) -> None:
         raise ValueError(f"ipc weight transfer sends to one vLLM worker; {server.url} has {server.world_size} "
                          "(tensor/pipeline/data parallel): serve with one GPU, or put the trainer on other GPUs and "
                          "use nccl")
-    if server.backend not in (None, BACKEND):
+    if server.backend not in (None, *IPC_BACKENDS):
         raise ValueError(f"the vLLM server at {server.url} runs the {server.backend!r} weight-transfer backend; ipc "
                          "needs --weight-transfer-config '{\"backend\": \"ipc\"}' and VLLM_ALLOW_INSECURE_SERIALIZATION=1")
     if server.same_gpu is False:
@@ -173,16 +176,16 @@ def choose_transfer(requested: str, trainer_on_cuda: bool, servers: list[ServerV
         if first.backend == "cpu_file":
             return TransferChoice("cpu_file", f"the server shares this GPU ({first.detail}) but serves the cpu_file "
                                               "backend; restart it with the ipc backend for the fast path")
-        if first.backend in (None, BACKEND):
+        if first.backend in (None, *IPC_BACKENDS):
             check_ipc_servers(servers)
             return TransferChoice(BACKEND, f"the server runs on this trainer's GPU ({first.detail})")
         raise ValueError(f"the vLLM server at {first.url} runs on this trainer's GPU ({first.detail}) with the "
                          f"{first.backend!r} weight-transfer backend: NCCL cannot put two ranks on one GPU. Restart "
                          "it with --weight-transfer-config '{\"backend\": \"ipc\"}' and "
                          "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (or pass --weight-transfer cpu_file)")
-    if any(s.backend == BACKEND for s in servers):
+    if any(s.backend in IPC_BACKENDS for s in servers):
         check_ipc_servers(servers)  # started for ipc: only a one-server, loopback, one-worker setup makes sense
-        return TransferChoice(BACKEND, f"the server was started with the ipc backend ({first.detail})")
+        return TransferChoice(BACKEND, f"the server was started with the {first.backend} backend ({first.detail})")
     if all(s.backend == "cpu_file" for s in servers):
         return TransferChoice("cpu_file", "the servers serve the cpu_file backend")
     why = first.detail if len(servers) == 1 else f"{len(servers)} servers"

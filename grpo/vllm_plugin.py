@@ -17,12 +17,14 @@ BACKEND_NAME = "cpu_file"
 
 
 def register() -> None:
-    """Idempotent: plugins can be loaded several times per process tree, and a duplicate name raises in vLLM."""
+    """Idempotent: plugins can be loaded several times per process tree, and a duplicate name raises in vLLM.
+    Also registers `ipc_inplace` (grpo/vllm_ipc_inplace.py), imported only when a server asks for it."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND_NAME in WeightTransferEngineFactory._registry:
-        return
-    WeightTransferEngineFactory.register_engine(BACKEND_NAME, "grpo.vllm_plugin", "CPUFileWeightTransferEngine")
+    for name, module, cls in ((BACKEND_NAME, "grpo.vllm_plugin", "CPUFileWeightTransferEngine"),
+                              ("ipc_inplace", "grpo.vllm_ipc_inplace", "InPlaceIPCWeightTransferEngine")):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
 
 
 def _engine_base():

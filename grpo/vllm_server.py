@@ -32,7 +32,8 @@ class ServeConfig:
     max_model_len: int = 4096
     """Longest prompt + completion; also the trainer's default `token_budget`."""
     weight_transfer_backend: str = "nccl"
-    """`nccl` on GPUs; `cpu_file` (this project's vLLM plugin) on CPU."""
+    """`nccl` on GPUs; `ipc` (or `ipc_inplace`: no layerwise reload, unquantized models) for a trainer on the
+    server's GPU; `cpu_file` (this project's vLLM plugin) on CPU."""
     api_server_count: int = 8
     """API server processes; 8 keeps top-k sampler logprobs cheap on vLLM >= 0.32."""
     dtype: str = "auto"
@@ -81,7 +82,7 @@ def serve_command(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
     if cfg.sampling_mask:
         argv += ["--return-sampling-mask"]
     api_servers = cfg.api_server_count
-    if cfg.weight_transfer_backend == "ipc":  # CUDA-IPC handles arrive pickled: loopback only (grpo/ipc_transfer.py)
+    if cfg.weight_transfer_backend in ("ipc", "ipc_inplace"):  # CUDA-IPC handles arrive pickled: loopback only (grpo/ipc_transfer.py)
         from grpo.ipc_transfer import require_loopback
 
         require_loopback(f"http://{cfg.host}:{cfg.port}")

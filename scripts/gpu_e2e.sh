@@ -16,6 +16,8 @@
 #                          TRAIN likewise)
 #   STEPS=20 MAXLEN=384 TOKEN_BUDGET=16384 GRAD_ACCUM=2 WARMUP=3 (steps left out of the steady state)
 #   WEIGHT_TRANSFER=ipc    or cpu_file (the previous one-GPU path: safetensors through /dev/shm), auto
+#   IPC_BACKEND=ipc        the server's backend for ipc: vLLM's own, or ipc_inplace (the same receiver without
+#                          layerwise reload: grpo/vllm_ipc_inplace.py, unquantized models)
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
 #   AFTER_PORT=8000        start this server only once the server on that port is healthy (two runs on one GPU:
 #                          vLLM aborts when free memory changes while it sizes its KV cache)
@@ -95,9 +97,9 @@ if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at 
 fi
 [ -n "$MODEL" ] || { echo "set MODEL=<local model dir or hub id> (e.g. MODEL=Qwen/Qwen3-0.6B)"; exit 2; }
 
-BACKEND=ipc; [ "$WEIGHT_TRANSFER" = cpu_file ] && BACKEND=cpu_file
+BACKEND=${IPC_BACKEND:-ipc}; [ "$WEIGHT_TRANSFER" = cpu_file ] && BACKEND=cpu_file
 # ipc: the server unpickles the trainer's CUDA-IPC handles, so it gets the switch and listens on 127.0.0.1 only
-[ "$BACKEND" = ipc ] && export VLLM_ALLOW_INSECURE_SERIALIZATION=1
+[ "$BACKEND" != cpu_file ] && export VLLM_ALLOW_INSECURE_SERIALIZATION=1
 if [ -n "${AFTER_PORT:-}" ]; then
   for _ in $(seq 600); do python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
     "http://127.0.0.1:$AFTER_PORT/health" 2>/dev/null && break; sleep 1; done
@@ -130,7 +132,7 @@ try:
 except ValueError as exc:
     print(f"auto refuses: {exc}")
 PY
-printf '{"mps": "%s", "weight_transfer": "%s", "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
+printf '{"mps": "%s", "weight_transfer": "%s", "server_backend": "'"$BACKEND"'", "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
   "$MPS" "$WEIGHT_TRANSFER" "$GPUVLLM_GPU_UTIL" "$MAXLEN" "$TOKEN_BUDGET" "$GRAD_ACCUM" "$STEPS" > "$OUT/setup.json"
 
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights

@@ -339,6 +339,9 @@ def test_auto_picks_ipc_only_for_one_same_gpu_server_and_says_why():
     assert choose_transfer("auto", True, [view()]).mode == "ipc"
     assert choose_transfer("auto", True, [view(backend=None)]).mode == "ipc"
     assert choose_transfer("auto", True, [view(same=None)]).mode == "ipc"  # started for ipc: the engine checks
+    for same in (True, None):  # vLLM's IPC receiver loading in place takes the same updates
+        assert choose_transfer("auto", True, [view(same=same, backend="ipc_inplace")]).mode == "ipc"
+    assert choose_transfer("ipc", True, [view(backend="ipc_inplace")]).mode == "ipc"
     assert choose_transfer("auto", True, [view(same=False, backend="nccl")]).mode == "nccl"
     assert choose_transfer("auto", True, [view(same=None, backend=None)]).mode == "nccl"
     assert choose_transfer("auto", True, [view(backend="cpu_file")]).mode == "cpu_file"
@@ -463,3 +466,26 @@ def test_one_process_fsdp2_plan_reads_local_shards_equal_to_the_plain_model(tmp_
     for name, tensor in want.iter_tensors(cast=False):
         assert torch.equal(got["uncast"][name], tensor) and got["uncast"][name].dtype == torch.float32, name
         assert torch.equal(got["cast"][name], tensor.to(torch.bfloat16)), name
+
+
+def test_plugin_registers_the_in_place_ipc_receiver():
+    """`ipc_inplace` is vLLM's IPC engine (its parsing and receive path inherited) without layerwise reload: the
+    factory builds it by name, start/finish leave the model alone, and a quantized model is refused by name."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    from grpo.vllm_plugin import register
+
+    register()
+    register()  # idempotent
+    engine_cls = WeightTransferEngineFactory._registry["ipc_inplace"]()
+    assert issubclass(engine_cls, IPCWeightTransferEngine)
+    assert engine_cls.receive_weights.__qualname__.startswith("InPlaceIPCWeightTransferEngine")
+    assert engine_cls.parse_update_info is IPCWeightTransferEngine.parse_update_info
+    engine = engine_cls.__new__(engine_cls)
+    engine.model_config = type("ModelConfig", (), {"quantization": None})()
+    engine.start_weight_update()
+    engine.finish_weight_update()
+    engine.model_config.quantization = "fp8"
+    with pytest.raises(ValueError, match="serve with backend 'ipc'"):
+        engine.start_weight_update()
