@@ -21,7 +21,10 @@
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
 #   AFTER_PORT=8000        start this server only once the server on that port is healthy (two runs on one GPU:
 #                          vLLM aborts when free memory changes while it sizes its KV cache)
-#   GPU_TESTS=1            also `pytest -m gpu tests/test_gpu_ipc.py` against the server (needs pytest there)
+#   GPU_TESTS=1            also `pytest -m gpu tests/test_gpu_ipc.py` against the server (needs pytest there;
+#                          GRPO_IPC_SYNCS, GRPO_IPC_BUCKET_MB: its syncs and bucket size). Side by side, in one call:
+#                          for B in ipc ipc_inplace; do OUT=$OUT/$B IPC_BACKEND=$B GPU_TESTS=1 TRAIN=0 BENCH=0 \
+#                            GRPO_IPC_SYNCS=20 GRPO_IPC_BUCKET_MB=2048 bash scripts/gpu_e2e.sh; done
 #   CHECK_TREE=1 SERVER_BENCH=1 THEN_BENCH="..." TRAIN_FLAGS="..." SERVE_FLAGS="..." (as before)
 #   EXTRA_SITE=/tmp/site_fla  a folder put first on the trainer's and the checks' PYTHONPATH (not the server's):
 #                          e.g. fla-core, to run the loop with it installed

@@ -8,7 +8,8 @@
 2. Against a real vLLM server (the one scripts/gpu_e2e.sh starts): set GRPO_IPC_VLLM_URL (and GRPO_IPC_VLLM_MODEL,
    the model directory it serves; the server needs --weight-transfer-config '{"backend": "ipc"}' and
    VLLM_ALLOW_INSECURE_SERIALIZATION=1). `auto` must choose ipc, and after each sync of changed weights the
-   server's log-probs equal the trainer model's within the bf16 floor. Skipped (naming the variables) without.
+   server's log-probs equal the trainer model's within the bf16 floor; GRPO_IPC_SYNCS syncs (5) in buckets of
+   GRPO_IPC_BUCKET_MB (256), their seconds and phases printed. Skipped (naming the variables) without.
 """
 
 from __future__ import annotations
@@ -206,21 +207,29 @@ def test_ipc_sync_against_a_real_vllm_server():
 
     torch.cuda.set_device(0)
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
-    sync = WeightSync(url, WeightSyncConfig(mode="auto", timeout=120))
+    bucket_mb = int(os.environ.get("GRPO_IPC_BUCKET_MB", "256"))
+    sync = WeightSync(url, WeightSyncConfig(mode="auto", timeout=120, ipc_bucket_bytes=bucket_mb << 20))
     sync.init(model)
     assert sync.mode == "ipc", "auto did not choose ipc for a server on this GPU (see the log for why)"
     ids = list(range(1000, 1040))
-    seconds = []
+    seconds, parts = [], {}
     for version in range(1, int(os.environ.get("GRPO_IPC_SYNCS", "5")) + 1):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.02 * p.std())
-        seconds.append(sync.sync(model, version)["perf/weight_sync_s"])
+        stats = sync.sync(model, version)
+        seconds.append(stats["perf/weight_sync_s"])
+        for key, value in stats.items():
+            if key.startswith("perf/weight_sync_") and key.endswith("_s") and key != "perf/weight_sync_s":
+                parts.setdefault(key[len("perf/weight_sync_"):-2], []).append(value)
         served = _server_logprobs(url, model_dir, ids)
         fp32, bf16 = _model_logprobs(model, ids, torch.float32), _model_logprobs(model, ids, torch.bfloat16)
         floor = (bf16 - fp32).abs().mean()
         gap = (served - fp32).abs().mean()
         assert gap <= 2 * floor + 0.01, f"version {version}: |server - trainer| {gap:.4f}, bf16 floor {floor:.4f}"
+    later = sorted(seconds[1:] or seconds)  # the first sync of a process warms up
     print(f"RESULT ipc sync s: {' '.join(f'{s:.3f}' for s in seconds)} (buckets {sync.ipc.buckets_sent}, "
-          f"layout {'packed' if sync.ipc.packed else 'per-tensor'})")
+          f"layout {'packed' if sync.ipc.packed else 'per-tensor'}, server backend {sync._views[0].backend}); "
+          f"median after the first {later[len(later) // 2]:.3f}; parts (median s): "
+          + ", ".join(f"{k} {sorted(v)[len(v) // 2]:.3f}" for k, v in parts.items()))
     sync.close()
