@@ -320,7 +320,7 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: 
         out_l, final_states = varlen_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True,
                                           cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
-        outputs.append(out_l[0])  # [n_level, H, D_v]
+        outputs.append(out_l.squeeze(0))  # [n_level, H, D_v] (squeeze: a view backward, not a zero-fill + copy)
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, D_v] level-major
     return out if plan.level_major else _take(out, plan.unpermute)  # [N, H, D_v]
 
@@ -332,7 +332,7 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     """
     if hidden_states.shape[0] != 1:
         raise ValueError(f"tree-packed GDN expects one unpadded row (batch 1), got batch {hidden_states.shape[0]}")
-    x = hidden_states[0]  # [N, hidden]
+    x = hidden_states.squeeze(0)  # [N, hidden]
     n_tokens = x.shape[0]
     mixed_qkv = tree_causal_conv1d(layer.in_proj_qkv(x), layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
                                    layer.activation, plan.conv_index, plan.conv_fix_index)  # [N, 2 key + value]

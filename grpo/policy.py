@@ -44,7 +44,7 @@ class PackedPolicy(torch.nn.Module):
     def forward(self, row) -> PolicyOutput:
         extra = {"output_router_logits": True} if self.aux_coef else {}
         out = forward_decoder(self.model, row, self.backend, **extra)
-        trained_hidden = out.last_hidden_state[0][row.token_index]  # [M, H]
+        trained_hidden = out.last_hidden_state.squeeze(0).index_select(0, row.token_index)  # [M, H]
         logp, top_logp, entropy = policy_token_logprobs(
             trained_hidden, lm_head_weight(self.model), row.targets, self.temperature,
             top_ids=row.sampler_top_ids, sampling_mask=row.sampling_mask, chunk_size=self.logprob_chunk,

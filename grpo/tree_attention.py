@@ -93,8 +93,9 @@ def _kernels_flash_varlen():
 
 
 def _split_available(device: torch.device) -> bool:
-    """torch's own FlashAttention varlen ops (what `flash_split` calls) on an sm80+ device."""
-    return (hasattr(torch.ops.aten, "_flash_attention_forward")
+    """torch's own FlashAttention varlen ops (what `flash_split` calls) on an sm80+ NVIDIA device (ROCm builds
+    route them elsewhere, with another lse layout: checked only on CUDA)."""
+    return (torch.version.cuda is not None and hasattr(torch.ops.aten, "_flash_attention_forward")
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
