@@ -10,6 +10,7 @@ without this the trainer waited the whole `vllm_server_timeout` without a word.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,13 +61,40 @@ def finish_quietly(control, deadline_s: float = 30.0) -> None:
     start_thread(finish, "vllm-finish-cleanup")[0].join(deadline_s)
 
 
+SLOW_PHASE_S = 0.5
+"""A phase still running after this long gets one log line with where every thread of this process is."""
+
+
+def thread_sites(frames: int = 3) -> str:
+    """Where each thread of this process is: its innermost `frames` frames, "; "-separated (names the wait when
+    a sync phase is slow: the HTTP thread in a socket read means the server has not answered, another thread in
+    Python work means this process was busy)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        sites = []
+        while frame is not None and len(sites) < frames:
+            sites.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+            frame = frame.f_back
+        parts.append(f"{names.get(ident, ident)}: {' < '.join(sites)}")
+    return "; ".join(parts)
+
+
 def wait_phase(thread: threading.Thread, result: dict, url: str, phase: str, version: int, deadline_s: float,
                every_s: float):
-    """Join `thread` with progress lines; its value, its exception, or PhaseTimeout past `deadline_s`."""
+    """Join `thread` with progress lines; its value, its exception, or PhaseTimeout past `deadline_s`. A phase
+    slower than SLOW_PHASE_S logs once where the threads are (`thread_sites`)."""
     progress = WaitProgress(f"{url} to finish the {phase} phase of weight sync version {version}", every_s, log)
-    end = time.monotonic() + deadline_s
+    start = time.monotonic()
+    end = start + deadline_s
+    sampled = False
     while thread.is_alive():
-        thread.join(min(1.0, max(end - time.monotonic(), 0.01)))
+        slice_s = 1.0 if sampled else max(start + SLOW_PHASE_S - time.monotonic(), 0.01)
+        thread.join(min(slice_s, max(end - time.monotonic(), 0.01)))
+        if not sampled and thread.is_alive() and time.monotonic() - start >= SLOW_PHASE_S:
+            sampled = True
+            log.info("weight sync version %d: the %s phase on %s has taken %.1f s so far; threads: %s", version,
+                     phase, url, time.monotonic() - start, thread_sites())
         if thread.is_alive() and time.monotonic() >= end:
             raise PhaseTimeout(f"{url} did not finish the {phase} phase of weight sync version {version} within "
                                f"{deadline_s:.0f} s (weight_sync_timeout): the server is stopped (SIGSTOP), hung (a "

@@ -4,6 +4,7 @@ trainer's model after a sync (and differ from before it)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import time
@@ -356,3 +357,33 @@ def test_cpu_file_engine_implements_every_abstract_method():
     with pytest.raises(NotImplementedError, match="weight_sync"):
         CPUFileWeightTransferEngine.trainer_send_weights(iter(()), {})
     assert issubclass(CPUFileWeightTransferEngine, WeightTransferEngine)
+
+
+def test_a_slow_sync_phase_logs_where_the_threads_are(caplog):
+    """A phase past SLOW_PHASE_S logs once where every thread is (the phase thread's own function among them, so
+    a slow server answer is told from a busy trainer); a quick phase logs nothing."""
+    import threading
+
+    from grpo.sync_deadline import SLOW_PHASE_S, start_thread, wait_phase
+
+    release = threading.Event()
+
+    def waiting_for_the_server_answer():
+        release.wait(5)
+        return "answered"
+
+    def quick():
+        return "quick"
+
+    caplog.set_level(logging.INFO, logger="grpo.weight_sync")
+    assert wait_phase(*start_thread(quick, "vllm-pause"), "http://s", "pause", 3, 10, 60) == "quick"
+    assert not [r for r in caplog.records if "so far" in r.getMessage()]
+    timer = threading.Timer(SLOW_PHASE_S + 0.4, release.set)
+    timer.start()
+    assert wait_phase(*start_thread(waiting_for_the_server_answer, "vllm-pause"), "http://s", "pause", 3, 10,
+                      60) == "answered"
+    lines = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "the pause phase on http://s" in lines[0] and "version 3" in lines[0]
+    assert "vllm-pause: " in lines[0] and "waiting_for_the_server_answer" in lines[0]
+    assert "MainThread: " in lines[0] and "wait_phase" in lines[0]
