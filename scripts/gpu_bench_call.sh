@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: bench_step on the Qwen3-0.6B, Qwen3-1.7B and Qwen3.5-2B shapes, each with its kernel profile (the
-# table the next speed round starts from; the Qwen3 shapes also with the split tree attention,
-# --set attn_backend=flash_split, side by side; SET overrides that), then the GPU tests.
-# Knobs: T06 T17 T35 TT (timeouts, s).
+# table the next speed round starts from; the Qwen3 shapes also with the path-gathering tree attention,
+# --set attn_backend=flash_varlen, side by side with the default flash_split; SET overrides that), then the GPU tests.
+# Knobs: T06 T17 T35 TT (timeouts, s). The profile is of the first case: ratio 1 tree for 0.6B, ratio 3.4 tree for 1.7B.
 # Needs the carried .whl (tyro & co., fla-core) when the machine lacks them. Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,10 +17,10 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.kernel-cache/triton}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.kernel-cache/inductor}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
 B="python3 scripts/bench_step.py"
-timeout ${T06:-180} $B --shape Qwen3-0.6B --profile --ratio 1 3.4 --set ${SET:-attn_backend=flash_split} \
+timeout ${T06:-180} $B --shape Qwen3-0.6B --profile --ratio 1 3.4 --set ${SET:-attn_backend=flash_varlen} \
   --json "$OUT/q06.json" 2>&1 \
   | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/q06.log" | grep -v "^ \|^-\|^PROFILE\|Self " | tail -8
-timeout ${T17:-240} $B --shape Qwen3-1.7B --check --profile --ratio 1 3.4 --set ${SET:-attn_backend=flash_split} \
+timeout ${T17:-240} $B --shape Qwen3-1.7B --check --profile --ratio 3.4 1 --set ${SET:-attn_backend=flash_varlen} \
   --json "$OUT/q17.json" 2>&1 \
   | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/q17.log" | grep -v "^ \|^-\|^PROFILE\|Self " | tail -12
 timeout ${T35:-200} $B --shape Qwen3.5-2B --check --ratio 3.4 --modes tree plain --steps 3 --warmup 2 \
