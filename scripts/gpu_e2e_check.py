@@ -154,7 +154,9 @@ def report(out: Path, warmup: int, sync_target_s: float) -> int:
                 print("       weight sync parts (mean s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["sync_parts"].items()))
             ok = r["sync_s"] <= sync_target_s
             failed += not ok
-            print(f"{'PASS' if ok else 'FAIL'} {name}: weight sync {r['sync_s']:.3f} s per sync <= {sync_target_s} s")
+            transfer = sum(v for k, v in r["sync_parts"].items() if k in ("start", "fill", "update", "finish"))
+            print(f"{'PASS' if ok else 'FAIL'} {name}: weight sync {r['sync_s']:.3f} s per sync <= {sync_target_s} s"
+                  + (f" (of it the transfer, start to finish: {transfer:.3f} s)" if transfer else ""))
             check = out / workload / f"check_{name}.log"
             line = next((x for x in check.read_text().splitlines() if "server == trainer after the last sync" in x),
                         None) if check.exists() else None

@@ -17,7 +17,8 @@ from gpu_e2e_check import report  # noqa: E402
 def write_run(folder: Path, step_s: list[float], sync_s: float, check_ok: bool = True) -> None:
     folder.mkdir(parents=True)
     rows = [{"step": i + 1, "perf/step_s": s, "perf/rollout_wait_s": 0.1, "perf/fwd_bwd_s": 0.5,
-             "perf/optimizer_s": 0.1, "perf/weight_sync_s": sync_s, "perf/weight_sync_pause_s": sync_s / 2}
+             "perf/optimizer_s": 0.1, "perf/weight_sync_s": sync_s, "perf/weight_sync_pause_s": sync_s / 2,
+             "perf/weight_sync_update_s": sync_s / 4, "perf/weight_sync_finish_s": sync_s / 8}
             for i, s in enumerate(step_s)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     verdict = "PASS" if check_ok else "FAIL"
@@ -52,6 +53,7 @@ def test_report_fails_on_slow_sync_a_failed_check_or_an_empty_folder(tmp_path, c
     assert report(tmp_path, warmup=1, sync_target_s=0.15) == 1
     text = capsys.readouterr().out
     assert "FAIL async: weight sync 0.400 s per sync <= 0.15 s" in text and "report: 2 target(s) missed" in text
+    assert "(of it the transfer, start to finish: 0.150 s)" in text  # update + finish, not the pause
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report(empty, warmup=1, sync_target_s=0.15) == 1
