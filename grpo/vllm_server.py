@@ -82,7 +82,7 @@ def serve_command(cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
     if cfg.sampling_mask:
         argv += ["--return-sampling-mask"]
     api_servers = cfg.api_server_count
-    if cfg.weight_transfer_backend in ("ipc", "ipc_inplace"):  # CUDA-IPC handles arrive pickled: loopback only (grpo/ipc_transfer.py)
+    if cfg.weight_transfer_backend in ("ipc", "ipc_inplace"):  # CUDA-IPC handles arrive pickled: loopback only
         from grpo.ipc_transfer import require_loopback
 
         require_loopback(f"http://{cfg.host}:{cfg.port}")

@@ -489,3 +489,16 @@ def test_plugin_registers_the_in_place_ipc_receiver():
     engine.model_config.quantization = "fp8"
     with pytest.raises(ValueError, match="serve with backend 'ipc'"):
         engine.start_weight_update()
+
+
+@pytest.mark.parametrize("backend", ["ipc", "ipc_inplace"])
+def test_serve_command_for_ipc_backends_is_loopback_with_the_serialization_switch(backend):
+    from grpo.vllm_server import ServeConfig, serve_command
+
+    argv, env = serve_command(ServeConfig(model="m", weight_transfer_backend=backend))
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": backend}
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    with pytest.raises(ValueError, match="127.0.0.1"):
+        serve_command(ServeConfig(model="m", host="0.0.0.0", weight_transfer_backend=backend))
+    _, env = serve_command(ServeConfig(model="m", host="0.0.0.0", weight_transfer_backend="nccl"))
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
