@@ -4,8 +4,9 @@ vLLM's `ipc` engine wraps every update in *layerwise reload* (`initialize_layerw
 `finalize_layerwise_reload` at finish): each layer's incoming checkpoint tensors are buffered, the layer is
 re-materialised, loaded, post-processed and copied back into the original parameters (so CUDA graphs keep their
 addresses). That is what a quantized checkpoint needs. An unquantized model's parameters are the checkpoint's
-tensors (stacked qkv / gate_up shards are copied in by each parameter's `weight_loader`), so `model.load_weights`
-on the live model is the whole update: this engine is vLLM's IPC receiver (its `receive_weights`, unchanged) with
+tensors (stacked qkv / gate_up shards are copied in by each parameter's `weight_loader`; vLLM's unquantized linear
+post-load step does nothing on CUDA, while on CPU it prepacks and drops the weight, so this backend is GPU-only), so
+`model.load_weights` on the live model is the whole update: this engine is vLLM's IPC receiver (its `receive_weights`, unchanged) with
 start and finish doing no reload. On the Qwen3-0.6B shape vLLM's update was 0.14-0.15 s of a 0.19-0.20 s ipc
 sync (docs/results.md, 2026-12-03 ninth session); this backend is the measurement of how much of that the reload is.
 
@@ -34,6 +35,11 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
     """vLLM's IPC engine without layerwise reload: updates copy into the live parameters (unquantized models)."""
 
     def start_weight_update(self) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            raise ValueError("weight-transfer backend ipc_inplace is for a GPU server (vLLM's CPU linear layers "
+                             "prepack their weights after loading); on CPU serve with backend 'cpu_file'")
         quantization = _quantization(self)
         if quantization is not None:
             raise ValueError(f"weight-transfer backend ipc_inplace loads checkpoint tensors into the live parameters, "

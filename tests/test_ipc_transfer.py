@@ -468,7 +468,7 @@ def test_one_process_fsdp2_plan_reads_local_shards_equal_to_the_plain_model(tmp_
         assert torch.equal(got["cast"][name], tensor.to(torch.bfloat16)), name
 
 
-def test_plugin_registers_the_in_place_ipc_receiver():
+def test_plugin_registers_the_in_place_ipc_receiver(monkeypatch):
     """`ipc_inplace` is vLLM's IPC engine (its parsing and receive path inherited) without layerwise reload: the
     factory builds it by name, start/finish leave the model alone, and a quantized model is refused by name."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -484,11 +484,17 @@ def test_plugin_registers_the_in_place_ipc_receiver():
     assert engine_cls.parse_update_info is IPCWeightTransferEngine.parse_update_info
     engine = engine_cls.__new__(engine_cls)
     engine.model_config = type("ModelConfig", (), {"quantization": None})()
-    engine.start_weight_update()
-    engine.finish_weight_update()
-    engine.model_config.quantization = "fp8"
-    with pytest.raises(ValueError, match="serve with backend 'ipc'"):
+    with pytest.raises(ValueError, match="backend 'cpu_file'"):  # this machine's vLLM is the CPU build
         engine.start_weight_update()
+    from vllm.platforms import current_platform
+
+    with monkeypatch.context() as patch:  # as on a GPU server
+        patch.setattr(current_platform, "is_cpu", lambda: False)
+        engine.start_weight_update()
+        engine.finish_weight_update()
+        engine.model_config.quantization = "fp8"
+        with pytest.raises(ValueError, match="serve with backend 'ipc'"):
+            engine.start_weight_update()
 
 
 @pytest.mark.parametrize("backend", ["ipc", "ipc_inplace"])
