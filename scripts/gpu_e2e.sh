@@ -19,6 +19,8 @@
 #   IPC_BACKEND=ipc        the server's backend for ipc: vLLM's own, or ipc_inplace (the same receiver without
 #                          layerwise reload: grpo/vllm_ipc_inplace.py, unquantized models)
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
+#   API_SERVERS=1          the server's API server processes (`rollout.py serve` starts 8; only `vllm serve`, the
+#                          CLI, spawns several: with the bundle, >1 starts it through vllm.entrypoints.cli.main)
 #   AFTER_PORT=8000        start this server only once the server on that port is healthy (two runs on one GPU:
 #                          vLLM aborts when free memory changes while it sizes its KV cache)
 #   GPU_TESTS=1            also `pytest -m gpu tests/test_gpu_ipc.py` against the server (needs pytest there;
@@ -65,6 +67,15 @@ if [ -f .gpuvllm/device_serve.sh ]; then
   printf 'Metadata-Version: 2.1\nName: async-grpo\nVersion: 0.1.0\n' > /tmp/site/async_grpo-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\ngrpo_cpu_weight_transfer = grpo.vllm_plugin:register\n' \
     > /tmp/site/async_grpo-0.1.0.dist-info/entry_points.txt
+  if [ "${API_SERVERS:-1}" -gt 1 ]; then  # the bundle's vllm_serve runs the one-process api_server module
+    vllm_serve() { local model=$1 port=$2; shift 2
+      date +%s.%N > "$GPUVLLM_RUN_DIR/vllm_$port.start"
+      python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" --host 127.0.0.1 --dtype bfloat16 \
+        --gpu-memory-utilization "$GPUVLLM_GPU_UTIL" --max-model-len "${GPUVLLM_MAX_LEN:-2048}" \
+        --attention-backend "${GPUVLLM_ATTN:-TRITON_ATTN}" --api-server-count "$API_SERVERS" "$@" \
+        > "$GPUVLLM_LOG_DIR/vllm_$port.log" 2>&1 &
+      echo $! > "$GPUVLLM_RUN_DIR/vllm_$port.pid"; echo "vllm pid $! on port $port, $API_SERVERS API servers"; }
+  fi
   # vLLM 0.26's ipc_engine.py imports ray at the top, for its trainer-side ray send mode only (the bundle has no
   # ray). The server side never calls it: a placeholder module lets the engine load.
   if ! python3 -c "import ray" 2>/dev/null; then
@@ -74,7 +85,8 @@ if [ -f .gpuvllm/device_serve.sh ]; then
   fi
 else  # a machine with `pip install -r requirements.txt && pip install -e .` done: vllm on PATH, plugin registered
   vllm_serve() { local m=$1 p=$2; shift 2; VLLM_SERVER_DEV_MODE=1 vllm serve "$m" --port "$p" --host 127.0.0.1 \
-      --dtype bfloat16 --gpu-memory-utilization "$GPUVLLM_GPU_UTIL" --max-model-len 2048 "$@" > "$OUT/vllm_$p.log" 2>&1 &
+      --dtype bfloat16 --gpu-memory-utilization "$GPUVLLM_GPU_UTIL" --max-model-len 2048 \
+      --api-server-count "${API_SERVERS:-1}" "$@" > "$OUT/vllm_$p.log" 2>&1 &
     echo $! > "$OUT/vllm_$p.pid"; }
   vllm_wait() { for _ in $(seq "$2"); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
     tail -40 "$OUT/vllm_$1.log"; return 1; }
@@ -135,7 +147,7 @@ try:
 except ValueError as exc:
     print(f"auto refuses: {exc}")
 PY
-printf '{"mps": "%s", "weight_transfer": "%s", "server_backend": "'"$BACKEND"'", "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
+printf '{"mps": "%s", "weight_transfer": "%s", "server_backend": "'"$BACKEND"'", "api_servers": '"${API_SERVERS:-1}"', "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
   "$MPS" "$WEIGHT_TRANSFER" "$GPUVLLM_GPU_UTIL" "$MAXLEN" "$TOKEN_BUDGET" "$GRAD_ACCUM" "$STEPS" > "$OUT/setup.json"
 
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
