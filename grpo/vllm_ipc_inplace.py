@@ -6,9 +6,11 @@ re-materialised, loaded, post-processed and copied back into the original parame
 addresses). That is what a quantized checkpoint needs. An unquantized model's parameters are the checkpoint's
 tensors (stacked qkv / gate_up shards are copied in by each parameter's `weight_loader`; vLLM's unquantized linear
 post-load step does nothing on CUDA, while on CPU it prepacks and drops the weight, so this backend is GPU-only), so
-`model.load_weights` on the live model is the whole update: this engine is vLLM's IPC receiver (its `receive_weights`, unchanged) with
-start and finish doing no reload. On the Qwen3-0.6B shape vLLM's update was 0.14-0.15 s of a 0.19-0.20 s ipc
-sync (docs/results.md, 2026-12-03 ninth session); this backend is the measurement of how much of that the reload is.
+`model.load_weights` on the live model is the whole update: this engine is vLLM's IPC receiver (its
+`receive_weights`, unchanged) with start and finish doing no reload. On the Qwen3-0.6B shape (one H200,
+docs/results.md, 2026-12-03) vLLM's `ipc` update took 0.14-0.15 s of a 0.19-0.20 s sync; this one 0.04 s (its load
+23-46 ms for 1137 MiB in 310 tensors), the whole sync 0.10-0.12 s, with the server's logprobs equal to the trainer's
+after every one of 20 syncs.
 
 Serve with `--weight-transfer-config '{"backend": "ipc_inplace"}'` (and `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, as
 for `ipc`); the trainer's `--weight-transfer ipc` / `auto` treat it as ipc. Quantized models are refused at the

@@ -16,11 +16,13 @@
 #                          TRAIN likewise)
 #   STEPS=20 MAXLEN=384 TOKEN_BUDGET=16384 GRAD_ACCUM=2 WARMUP=3 (steps left out of the steady state)
 #   WEIGHT_TRANSFER=ipc    or cpu_file (the previous one-GPU path: safetensors through /dev/shm), auto
-#   IPC_BACKEND=ipc        the server's backend for ipc: vLLM's own, or ipc_inplace (the same receiver without
-#                          layerwise reload: grpo/vllm_ipc_inplace.py, unquantized models)
+#   IPC_BACKEND=ipc_inplace  the server's backend for ipc: vLLM's receiver without its layerwise reload
+#                          (grpo/vllm_ipc_inplace.py, unquantized models; 0.04 s a sync's update on the 0.6B shape),
+#                          or ipc: vLLM's own (0.14-0.15 s there; quantized models)
 #   GPU_UTIL=0.3           the server's --gpu-memory-utilization
-#   API_SERVERS=1          the server's API server processes (`rollout.py serve` starts 8; only `vllm serve`, the
-#                          CLI, spawns several: with the bundle, >1 starts it through vllm.entrypoints.cli.main)
+#   API_SERVERS=8          the server's API server processes, as `rollout.py serve` starts them (one process: async
+#                          pauses of 0.24 s mean, up to 4 s; eight: 0.03-0.04 s). Only `vllm serve`, the CLI, spawns
+#                          several: with the bundle, >1 starts it through vllm.entrypoints.cli.main
 #   AFTER_PORT=8000        start this server only once the server on that port is healthy (two runs on one GPU:
 #                          vLLM aborts when free memory changes while it sizes its KV cache)
 #   GPU_TESTS=1            also `pytest -m gpu tests/test_gpu_ipc.py` against the server (needs pytest there;
@@ -67,7 +69,8 @@ if [ -f .gpuvllm/device_serve.sh ]; then
   printf 'Metadata-Version: 2.1\nName: async-grpo\nVersion: 0.1.0\n' > /tmp/site/async_grpo-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\ngrpo_cpu_weight_transfer = grpo.vllm_plugin:register\n' \
     > /tmp/site/async_grpo-0.1.0.dist-info/entry_points.txt
-  if [ "${API_SERVERS:-1}" -gt 1 ]; then  # the bundle's vllm_serve runs the one-process api_server module
+  API_SERVERS=${API_SERVERS:-8}
+  if [ "$API_SERVERS" -gt 1 ]; then  # the bundle's vllm_serve runs the one-process api_server module
     vllm_serve() { local model=$1 port=$2; shift 2
       date +%s.%N > "$GPUVLLM_RUN_DIR/vllm_$port.start"
       python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" --host 127.0.0.1 --dtype bfloat16 \
@@ -86,7 +89,7 @@ if [ -f .gpuvllm/device_serve.sh ]; then
 else  # a machine with `pip install -r requirements.txt && pip install -e .` done: vllm on PATH, plugin registered
   vllm_serve() { local m=$1 p=$2; shift 2; VLLM_SERVER_DEV_MODE=1 vllm serve "$m" --port "$p" --host 127.0.0.1 \
       --dtype bfloat16 --gpu-memory-utilization "$GPUVLLM_GPU_UTIL" --max-model-len 2048 \
-      --api-server-count "${API_SERVERS:-1}" "$@" > "$OUT/vllm_$p.log" 2>&1 &
+      --api-server-count "${API_SERVERS:-8}" "$@" > "$OUT/vllm_$p.log" 2>&1 &
     echo $! > "$OUT/vllm_$p.pid"; }
   vllm_wait() { for _ in $(seq "$2"); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
     tail -40 "$OUT/vllm_$1.log"; return 1; }
@@ -112,7 +115,7 @@ if [ -z "$MODEL" ] && [ -f .gpuvllm/make_models.py ]; then  # random weights at 
 fi
 [ -n "$MODEL" ] || { echo "set MODEL=<local model dir or hub id> (e.g. MODEL=Qwen/Qwen3-0.6B)"; exit 2; }
 
-BACKEND=${IPC_BACKEND:-ipc}; [ "$WEIGHT_TRANSFER" = cpu_file ] && BACKEND=cpu_file
+BACKEND=${IPC_BACKEND:-ipc_inplace}; [ "$WEIGHT_TRANSFER" = cpu_file ] && BACKEND=cpu_file
 # ipc: the server unpickles the trainer's CUDA-IPC handles, so it gets the switch and listens on 127.0.0.1 only
 [ "$BACKEND" != cpu_file ] && export VLLM_ALLOW_INSECURE_SERIALIZATION=1
 if [ -n "${AFTER_PORT:-}" ]; then
@@ -147,7 +150,7 @@ try:
 except ValueError as exc:
     print(f"auto refuses: {exc}")
 PY
-printf '{"mps": "%s", "weight_transfer": "%s", "server_backend": "'"$BACKEND"'", "api_servers": '"${API_SERVERS:-1}"', "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
+printf '{"mps": "%s", "weight_transfer": "%s", "server_backend": "'"$BACKEND"'", "api_servers": '"${API_SERVERS:-8}"', "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
   "$MPS" "$WEIGHT_TRANSFER" "$GPUVLLM_GPU_UTIL" "$MAXLEN" "$TOKEN_BUDGET" "$GRAD_ACCUM" "$STEPS" > "$OUT/setup.json"
 
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
