@@ -178,18 +178,29 @@ def choose_transfer(requested: str, trainer_on_cuda: bool, servers: list[ServerV
                                               "backend; restart it with the ipc backend for the fast path")
         if first.backend in (None, *IPC_BACKENDS):
             check_ipc_servers(servers)
-            return TransferChoice(BACKEND, f"the server runs on this trainer's GPU ({first.detail})")
+            return TransferChoice(BACKEND, f"the server runs on this trainer's GPU ({first.detail})"
+                                           f"{_inplace_hint(first)}")
         raise ValueError(f"the vLLM server at {first.url} runs on this trainer's GPU ({first.detail}) with the "
                          f"{first.backend!r} weight-transfer backend: NCCL cannot put two ranks on one GPU. Restart "
                          "it with --weight-transfer-config '{\"backend\": \"ipc\"}' and "
                          "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (or pass --weight-transfer cpu_file)")
     if any(s.backend in IPC_BACKENDS for s in servers):
         check_ipc_servers(servers)  # started for ipc: only a one-server, loopback, one-worker setup makes sense
-        return TransferChoice(BACKEND, f"the server was started with the {first.backend} backend ({first.detail})")
+        return TransferChoice(BACKEND, f"the server was started with the {first.backend} backend ({first.detail})"
+                                       f"{_inplace_hint(first)}")
     if all(s.backend == "cpu_file" for s in servers):
         return TransferChoice("cpu_file", "the servers serve the cpu_file backend")
     why = first.detail if len(servers) == 1 else f"{len(servers)} servers"
     return TransferChoice("nccl", f"the server is not on this trainer's GPU or cannot be told to be ({why})")
+
+
+def _inplace_hint(server: ServerView) -> str:
+    """vLLM's own `ipc` engine reloads layer by layer: on an unquantized model `ipc_inplace` updates ~3x faster
+    (Qwen3-0.6B shape on an H200: 0.04 s against 0.14-0.15 s, docs/results.md)."""
+    if server.backend != BACKEND:
+        return ""
+    return ("; an unquantized model updates ~3x faster with the server backend 'ipc_inplace' "
+            "(`rollout.py serve --server.weight-transfer-backend ipc_inplace`)")
 
 
 # ---- one-GPU memory plan --------------------------------------------------------------------------------------

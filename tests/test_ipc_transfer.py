@@ -348,6 +348,9 @@ def test_auto_picks_ipc_only_for_one_same_gpu_server_and_says_why():
     assert choose_transfer("auto", False, [view()]).mode == "cpu_file"
     assert choose_transfer("nccl", True, [view()]).mode == "nccl"
     assert "this trainer's GPU" in choose_transfer("auto", True, [view()]).reason
+    for same in (True, None):  # vLLM's reloading `ipc` engine: the log names the faster in-place backend, once
+        assert "'ipc_inplace'" in choose_transfer("auto", True, [view(same=same)]).reason
+        assert "'ipc_inplace'" not in choose_transfer("auto", True, [view(same=same, backend="ipc_inplace")]).reason
     with pytest.raises(ValueError, match="NCCL cannot put two ranks on one GPU"):
         choose_transfer("auto", True, [view(backend="nccl")])
     with pytest.raises(ValueError, match="is not"):
