@@ -38,6 +38,7 @@ OUT=${OUT:-outputs/gpu_e2e}; mkdir -p "$OUT"
 RUNS=${RUNS:-/tmp/gpu_e2e_runs}; rm -rf "$RUNS"; mkdir -p "$RUNS"  # checkpoints stay here; metrics are copied to OUT
 STEPS=${STEPS:-20}; PORT=${PORT:-8000}; MAXLEN=${MAXLEN:-384}; TOKEN_BUDGET=${TOKEN_BUDGET:-16384}
 GRAD_ACCUM=${GRAD_ACCUM:-2}; WARMUP=${WARMUP:-3}; WORKLOADS=${WORKLOADS:-fixed}; MPS=${MPS:-off}
+API_SERVERS=${API_SERVERS:-8}
 WEIGHT_TRANSFER=${WEIGHT_TRANSFER:-ipc}; export GPUVLLM_GPU_UTIL=${GPU_UTIL:-${GPUVLLM_GPU_UTIL:-0.3}}
 T_START=$SECONDS
 
@@ -69,7 +70,6 @@ if [ -f .gpuvllm/device_serve.sh ]; then
   printf 'Metadata-Version: 2.1\nName: async-grpo\nVersion: 0.1.0\n' > /tmp/site/async_grpo-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\ngrpo_cpu_weight_transfer = grpo.vllm_plugin:register\n' \
     > /tmp/site/async_grpo-0.1.0.dist-info/entry_points.txt
-  API_SERVERS=${API_SERVERS:-8}
   if [ "$API_SERVERS" -gt 1 ]; then  # the bundle's vllm_serve runs the one-process api_server module
     vllm_serve() { local model=$1 port=$2; shift 2
       date +%s.%N > "$GPUVLLM_RUN_DIR/vllm_$port.start"
@@ -89,7 +89,7 @@ if [ -f .gpuvllm/device_serve.sh ]; then
 else  # a machine with `pip install -r requirements.txt && pip install -e .` done: vllm on PATH, plugin registered
   vllm_serve() { local m=$1 p=$2; shift 2; VLLM_SERVER_DEV_MODE=1 vllm serve "$m" --port "$p" --host 127.0.0.1 \
       --dtype bfloat16 --gpu-memory-utilization "$GPUVLLM_GPU_UTIL" --max-model-len 2048 \
-      --api-server-count "${API_SERVERS:-8}" "$@" > "$OUT/vllm_$p.log" 2>&1 &
+      --api-server-count "$API_SERVERS" "$@" > "$OUT/vllm_$p.log" 2>&1 &
     echo $! > "$OUT/vllm_$p.pid"; }
   vllm_wait() { for _ in $(seq "$2"); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
     tail -40 "$OUT/vllm_$1.log"; return 1; }
@@ -150,7 +150,7 @@ try:
 except ValueError as exc:
     print(f"auto refuses: {exc}")
 PY
-printf '{"mps": "%s", "weight_transfer": "%s", "server_backend": "'"$BACKEND"'", "api_servers": '"${API_SERVERS:-8}"', "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
+printf '{"mps": "%s", "weight_transfer": "%s", "server_backend": "'"$BACKEND"'", "api_servers": '"$API_SERVERS"', "gpu_util": %s, "max_len": %s, "token_budget": %s, "grad_accum": %s, "steps": %s}\n' \
   "$MPS" "$WEIGHT_TRANSFER" "$GPUVLLM_GPU_UTIL" "$MAXLEN" "$TOKEN_BUDGET" "$GRAD_ACCUM" "$STEPS" > "$OUT/setup.json"
 
 if [ -n "${CHECK_TREE:-}" ]; then  # the server's logprobs vs the trainer's tree-packed forward, initial weights
