@@ -4,7 +4,8 @@
 OP SITES: each op of `SITE_OPS` grouped by the Python frames above it (forward) or, for an op autograd's thread ran
 (no Python frames), by its autograd node and the Python site of the forward op that made the node (matched by
 sequence number). HOST SYNCS: each CUDA runtime call of `SYNC_CALLS` by the op that made it and that op's site,
-with the time the host was blocked.
+with the time the host was blocked. GPU IDLE: the gaps between the GPU's kernels and copies, each charged to the op
+(and its site) that launched the work ending the gap: where the GPU waited for the host.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def print_op_sites(profiler, sort: str, top: int = 25) -> None:
     for k in sorted(total, key=total.get, reverse=True)[:top]:
         print(f"  {total[k] / 1e3:8.2f} ms {100 * total[k] / grand:5.1f}% {count[k]:6d}x  {k}")
     _print_syncs(events, key, top)
+    if cuda:
+        print_gpu_idle(events, key, top)
 
 
 def _print_syncs(events, key, top: int) -> None:
@@ -116,3 +119,46 @@ def _print_syncs(events, key, top: int) -> None:
           f"profiled steps; top {top} of {len(blocked)} sites)")
     for k in sorted(blocked, key=blocked.get, reverse=True)[:top]:
         print(f"  {blocked[k] / 1e3:8.2f} ms {count[k]:6d}x  {k}")
+
+
+def gpu_idle_gaps(events, min_gap_us: float = 5.0):
+    """(busy us, span us, [(gap us, launching event)]): the GPU's work (kernels, copies, memsets: events with a
+    CUDA device type) merged into busy intervals; each gap of at least `min_gap_us` paired with the CPU op that
+    launched the work after it (the device event's `linked_correlation_id` is that op's `id`), None if unknown."""
+    device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    if not device:
+        return 0.0, 0.0, []
+    ops = {e.id: e for e in events if not str(getattr(e, "device_type", "")).endswith("CUDA")}
+    device.sort(key=lambda e: e.time_range.start)
+    busy, gaps = 0.0, []
+    start, end = device[0].time_range.start, device[0].time_range.end
+    for e in device[1:]:
+        if e.time_range.start > end:
+            busy += end - start
+            if e.time_range.start - end >= min_gap_us:
+                gaps.append((e.time_range.start - end, ops.get(getattr(e, "linked_correlation_id", -1))))
+            start = e.time_range.start
+        end = max(end, e.time_range.end)
+    busy += end - start
+    return busy, device[-1].time_range.end - device[0].time_range.start, gaps
+
+
+def print_gpu_idle(events, key, top: int = 25) -> None:
+    """GPU IDLE: how much of the profiled span the GPU had nothing to run, and the sites whose launches ended the
+    longest waits (the host was busy before them: Python, launches, a sync, the next step's batching)."""
+    from collections import defaultdict
+
+    busy, span, gaps = gpu_idle_gaps(events)
+    if not span:
+        return
+    idle, count = defaultdict(float), defaultdict(int)
+    for gap, op in gaps:
+        k = key(op, op.name) if op is not None else "(launching op unknown)"
+        idle[k] += gap
+        count[k] += 1
+    waited = sum(idle.values())
+    print(f"GPU IDLE ({span / 1e3:.1f} ms from the first kernel to the last: busy {busy / 1e3:.1f} ms, idle "
+          f"{(span - busy) / 1e3:.1f} ms ({100 * (span - busy) / span:.0f} %), {waited / 1e3:.1f} ms of it in "
+          f"{len(gaps)} gaps >= 5 us; top {top} of {len(idle)} sites by the idle time before their launch)")
+    for k in sorted(idle, key=idle.get, reverse=True)[:top]:
+        print(f"  {idle[k] / 1e3:8.2f} ms {count[k]:6d}x  {k}")

@@ -35,3 +35,26 @@ def test_backward_ops_are_attributed_to_their_forward_site(capsys):
     assert any("IndexBackward0 of index at" in r and here in r for r in rows), rows
     assert not any("(no Python frame)" in r and "bwd" not in r for r in rows)
     assert rows[-1].startswith("HOST SYNCS: none recorded")  # a CPU run has no CUDA runtime events
+
+
+def _event(id_, start, end, device, linked=0, name="k"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(id=id_, name=name, device_type=f"DeviceType.{device}", linked_correlation_id=linked,
+                           time_range=SimpleNamespace(start=start, end=end), cpu_parent=None)
+
+
+def test_gpu_idle_gaps_merge_overlaps_and_charge_the_launching_op(capsys):
+    from profile_sites import gpu_idle_gaps, print_gpu_idle
+
+    mm, copy = _event(1, 0, 1, "CPU", name="aten::mm"), _event(2, 0, 1, "CPU", name="aten::copy_")
+    kernels = [_event(10, 0, 10, "CUDA", linked=1), _event(11, 5, 20, "CUDA", linked=1),  # overlap: busy 0..20
+               _event(12, 22, 30, "CUDA", linked=2),  # 2 us gap: under the 5 us floor, idle but not listed
+               _event(13, 130, 150, "CUDA", linked=1), _event(14, 160, 170, "CUDA", linked=99)]
+    busy, span, gaps = gpu_idle_gaps([mm, copy, *reversed(kernels)])
+    assert (busy, span) == (20 + 8 + 20 + 10, 170)
+    assert [(g, op.name if op else None) for g, op in gaps] == [(100, "aten::mm"), (10, None)]
+    print_gpu_idle([mm, copy, *kernels], lambda e, label: f"fwd {label}")
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("GPU IDLE (0.2 ms from the first kernel to the last: busy 0.1 ms, idle 0.1 ms (66 %)")
+    assert "fwd aten::mm" in rows[1] and "(launching op unknown)" in rows[2]
