@@ -199,6 +199,11 @@ def gdn_kernels(choice: str, device: torch.device, dims: tuple[int, int] = (64, 
                                      replaceable)
     except ImportError as exc:
         raise ImportError(f"{exc} ({import_error})") from import_error
+    if kernels.torch_dqkwg or kernels.backward == "fla" and choice == "auto":
+        log.info("Gated DeltaNet: checking FLA's backward against the torch kernel on %s. FLA's first use with an "
+                 "empty Triton cache autotunes its kernels (minutes on an H200, silent); the results are kept in "
+                 "the Triton cache (TRITON_CACHE_DIR, else ~/.triton/cache), so later runs start in seconds. "
+                 "--gdn-kernel torch skips FLA", device)
     if kernels.torch_dqkwg:
         kernels = _settle_dqkwg(kernels, fla_rule, device, dims)
     elif kernels.backward == "fla" and choice == "auto":

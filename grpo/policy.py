@@ -105,10 +105,11 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
         with autocast():
             out = policy(row)
         out.policy_logprobs.float().sum().backward()
+        if (weights := master_weights.of(policy)) is not None:
+            weights.accumulate()  # the fp32 gradient buffers count towards the peak, as in a step
+            weights.reset()
         for p in policy.parameters():
             p.grad = None
-        if (weights := master_weights.of(policy)) is not None:
-            weights.reset()
 
     fraction = checkpointing_fraction(config.gradient_checkpointing, policy, model, info, token_budget, run_probe)
     set_gradient_checkpointing(packed_forward_module(model), fraction)

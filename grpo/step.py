@@ -55,6 +55,7 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, wo
     them once per step, after the optimizer), so the host packs the next micro-batch while this one runs."""
     import torch
 
+    from grpo import master_weights
     from grpo.trie import pack_samples
 
     device = next(policy.parameters()).device
@@ -74,6 +75,8 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, wo
         loss = loss + policy_module(policy).aux_coef * out.aux_loss / grad_accum
         metrics["aux_loss"] = out.aux_loss.detach()
     loss.backward()
+    if (weights := master_weights.of(policy)) is not None:  # one process without FSDP2: bf16 grads into fp32
+        weights.accumulate()
     timer.mark()
     return metrics | {"loss": loss.detach() * grad_accum, "_timer": timer, "_forwarded": row.num_tokens,
                       "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}

@@ -128,7 +128,7 @@ def gpu_idle_gaps(events, min_gap_us: float = 5.0):
     device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
     if not device:
         return 0.0, 0.0, []
-    ops = {e.id: e for e in events if not str(getattr(e, "device_type", "")).endswith("CUDA")}
+    launcher = _launcher_finder(events)
     device.sort(key=lambda e: e.time_range.start)
     busy, gaps = 0.0, []
     start, end = device[0].time_range.start, device[0].time_range.end
@@ -136,11 +136,38 @@ def gpu_idle_gaps(events, min_gap_us: float = 5.0):
         if e.time_range.start > end:
             busy += end - start
             if e.time_range.start - end >= min_gap_us:
-                gaps.append((e.time_range.start - end, ops.get(getattr(e, "linked_correlation_id", -1))))
+                gaps.append((e.time_range.start - end, launcher(e)))
             start = e.time_range.start
         end = max(end, e.time_range.end)
     busy += end - start
     return busy, device[-1].time_range.end - device[0].time_range.start, gaps
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+                "cudaMemsetAsync", "cudaGraphLaunch")
+"""CUDA runtime calls that queue GPU work: the fallback for matching a kernel to the op that launched it."""
+
+
+def _launcher_finder(events):
+    """device event -> the CPU op that launched it: by correlation (the device event's `linked_correlation_id` is
+    the op's `id`) where this torch's profiler records it, else the op above the last launch call that started
+    before the work did (an idle GPU runs new work a few us after its launch)."""
+    import bisect
+
+    ops = {e.id: e for e in events if not str(getattr(e, "device_type", "")).endswith("CUDA")}
+    launches = sorted((e for e in events if e.name in LAUNCH_CALLS), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in launches]
+
+    def find(device_event):
+        op = ops.get(getattr(device_event, "linked_correlation_id", 0) or -1)
+        if op is not None and op.name not in LAUNCH_CALLS:
+            return op
+        i = bisect.bisect_right(starts, device_event.time_range.start) - 1
+        if i < 0:
+            return None
+        return launches[i].cpu_parent or launches[i]  # the innermost op or record around the launch
+
+    return find
 
 
 def print_gpu_idle(events, key, top: int = 25) -> None:

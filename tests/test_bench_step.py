@@ -58,3 +58,17 @@ def test_gpu_idle_gaps_merge_overlaps_and_charge_the_launching_op(capsys):
     rows = capsys.readouterr().out.splitlines()
     assert rows[0].startswith("GPU IDLE (0.2 ms from the first kernel to the last: busy 0.1 ms, idle 0.1 ms (66 %)")
     assert "fwd aten::mm" in rows[1] and "(launching op unknown)" in rows[2]
+
+
+def test_gpu_idle_falls_back_to_the_last_launch_before_the_work():
+    """A profiler without correlation links: the work after a gap is charged to the op around the last launch
+    call that started before it."""
+    from profile_sites import gpu_idle_gaps
+
+    mm, add = _event(1, 0, 200, "CPU", name="aten::mm"), _event(2, 0, 200, "CPU", name="aten::add")
+    launch_mm, launch_add = _event(3, 40, 45, "CPU", name="cudaLaunchKernel"), _event(4, 90, 95, "CPU",
+                                                                                       name="cudaLaunchKernel")
+    launch_mm.cpu_parent, launch_add.cpu_parent = mm, add
+    kernels = [_event(10, 0, 10, "CUDA"), _event(11, 50, 60, "CUDA"), _event(12, 100, 110, "CUDA")]
+    _, _, gaps = gpu_idle_gaps([mm, add, launch_mm, launch_add, *kernels])
+    assert [(g, op.name) for g, op in gaps] == [(40, "aten::mm"), (40, "aten::add")]
