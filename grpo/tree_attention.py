@@ -59,6 +59,7 @@ class TreeContext:
     row: PackedRow
     backend: str
     cache: dict = field(default_factory=dict)
+    split_plan: tuple | None = None  # flash_split: the row's plan as tensors (grpo/tree_split.py `plan_tensors`)
 
 
 # --------------------------------------------------------------------------------------------- backend choice
@@ -273,14 +274,32 @@ _BACKEND_FN = {"sdpa": _sdpa, "gathered_sdpa": _gathered_sdpa, "flash_varlen": _
                "flash_split": _flash_split, "flex": _flex}
 
 
-@torch.compiler.disable
 def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: float | None = None, sliding_window: int | None = None,
                            tree_context: TreeContext | None = None, **kwargs):
     """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None).
 
-    Never traced by dynamo (a layer compiled whole, `compile_scope="layers"`, breaks its graph here): the row's
-    Python ints (max_seqlen_*) and per-forward cache would otherwise become guards and recompile every row."""
+    `flash_split` (full-attention layers, bf16/fp16 on CUDA or any dtype on CPU) runs as a custom op that a layer
+    compiled whole (`compile_scope="layers"`) keeps inside its graph, forward and backward: its arguments are
+    tensors only (`split_attention_in_graph`). Every other case runs `_tree_attention_eager`, which dynamo never
+    traces (the layer's graph breaks there): the row's Python ints (max_seqlen_*) and per-forward cache would
+    otherwise become guards and recompile every row."""
+    if (tree_context is not None and tree_context.split_plan is not None and sliding_window is None and not dropout
+            and query.shape[0] == 1 and (not query.is_cuda or query.dtype in (torch.float16, torch.bfloat16))):
+        from grpo.tree_split import split_attention_in_graph
+
+        q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # [N, H or Hkv, D]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return split_attention_in_graph(tree_context.split_plan, q, k, v, scale, query.is_cuda)[None], None
+    return _tree_attention_eager(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                 tree_context, **kwargs)
+
+
+@torch.compiler.disable
+def _tree_attention_eager(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, sliding_window: int | None = None,
+                          tree_context: TreeContext | None = None, **kwargs):
+    """Every backend in eager mode, never traced by dynamo (see `tree_attention_forward`)."""
     if tree_context is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -337,6 +356,10 @@ def forward_decoder(model: torch.nn.Module, row: PackedRow, backend: str = "auto
     if row.input_ids.device != device:
         row = row.to(device, non_blocking=True)
     ctx = TreeContext(row=row, backend=backend)
+    if backend == "flash_split":
+        from grpo.tree_split import plan_tensors
+
+        ctx.split_plan = plan_tensors(row)
     token = ACTIVE_ROW.set(row)
     try:
         out = decoder(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,

@@ -147,19 +147,44 @@ def _merge(out_a, lse_a, out_b, lse_b, index):
     return out_a.index_copy(0, index, merged.to(out_a.dtype)), lse_a.index_copy(1, index, lse_m)
 
 
+def _split_forward(q, k, v, plan: SplitPlan, scale: float):
+    """(out, lse, aux of part 1, aux of part 2 or None): part 1 over the row, part 2 per parent, merged."""
+    fwd, _ = plan.ops()
+    out, lse, aux = fwd(q, k, v, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale)
+    aux_b = None
+    if plan.has_ancestors:
+        qb, kb, vb = _part2_inputs(plan, q, k, v)
+        out_b, lse_b, aux_b = fwd(qb, kb, vb, plan.anc_cu_q, plan.anc_cu_k, plan.anc_max_q, plan.anc_max_k,
+                                  False, scale)
+        out, lse = _merge(out, lse, out_b, lse_b, plan.anc_q_index)
+    return out, lse, aux, aux_b
+
+
+def _split_backward(dout, q, k, v, out, lse, plan: SplitPlan, scale: float, aux, aux_b):
+    """(dq, dk, dv): each call's backward with the MERGED out and lse, part 2's gradients added into place."""
+    _, bwd = plan.ops()
+    dout = dout.contiguous()
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale, aux)
+    if plan.has_ancestors:
+        index = plan.anc_q_index
+        qb, kb, vb = _part2_inputs(plan, q, k, v)
+        dq_b, dk_b, dv_b = bwd(dout.index_select(0, index), qb, kb, vb, out.index_select(0, index),
+                               lse.index_select(1, index).contiguous(), plan.anc_cu_q, plan.anc_cu_k,
+                               plan.anc_max_q, plan.anc_max_k, False, scale, aux_b)
+        dq = dq.index_add(0, index, dq_b.to(dq.dtype))  # each query once: no colliding adds
+        dk = dk.index_add(0, plan.anc_kv_index, dk_b.to(dk.dtype))
+        dv = dv.index_add(0, plan.anc_kv_index, dv_b.to(dv.dtype))
+    return dq, dk, dv
+
+
 class SplitAttention(torch.autograd.Function):
-    """q [N, H, D], k/v [N, Hkv, D] of one tree row -> out [N, H, D], each token over its root-to-token path."""
+    """q [N, H, D], k/v [N, Hkv, D] of one tree row -> out [N, H, D], each token over its root-to-token path (the
+    eager form; `split_attention_op` is the same computation as a custom op that torch.compile can keep inside a
+    compiled layer)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: SplitPlan, scale: float):
-        fwd, _ = plan.ops()
-        out, lse, aux = fwd(q, k, v, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale)
-        aux_b = None
-        if plan.has_ancestors:
-            qb, kb, vb = _part2_inputs(plan, q, k, v)
-            out_b, lse_b, aux_b = fwd(qb, kb, vb, plan.anc_cu_q, plan.anc_cu_k, plan.anc_max_q, plan.anc_max_k,
-                                      False, scale)
-            out, lse = _merge(out, lse, out_b, lse_b, plan.anc_q_index)
+        out, lse, aux, aux_b = _split_forward(q, k, v, plan, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.aux = plan, scale, (aux, aux_b)
         return out
@@ -167,20 +192,7 @@ class SplitAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, scale, (aux, aux_b) = ctx.plan, ctx.scale, ctx.aux
-        _, bwd = plan.ops()
-        dout = dout.contiguous()
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale, aux)
-        if plan.has_ancestors:
-            index = plan.anc_q_index
-            qb, kb, vb = _part2_inputs(plan, q, k, v)
-            dq_b, dk_b, dv_b = bwd(dout.index_select(0, index), qb, kb, vb, out.index_select(0, index),
-                                   lse.index_select(1, index).contiguous(), plan.anc_cu_q, plan.anc_cu_k,
-                                   plan.anc_max_q, plan.anc_max_k, False, scale, aux_b)
-            dq = dq.index_add(0, index, dq_b.to(dq.dtype))  # each query once: no colliding adds
-            dk = dk.index_add(0, plan.anc_kv_index, dk_b.to(dk.dtype))
-            dv = dv.index_add(0, plan.anc_kv_index, dv_b.to(dv.dtype))
-        return dq, dk, dv, None, None
+        return (*_split_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale, *ctx.aux), None, None)
 
 
 def _part2_inputs(plan: SplitPlan, q, k, v):
@@ -192,3 +204,88 @@ def split_attention(row: PackedRow, q: torch.Tensor, k: torch.Tensor, v: torch.T
                     flash: bool) -> torch.Tensor:
     """[N, H, D] attention output of `row` (q [N, H, D], k/v [N, Hkv, D]) through the split formulation."""
     return SplitAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), SplitPlan.of(row, flash), scale)
+
+
+# --------------------------------------------------------------------------------------------- as a custom op
+# The same split as `SplitAttention`, registered as two torch.library custom ops (forward, backward) whose
+# arguments are tensors only: a whole decoder layer compiled with torch.compile then calls it inside its graph
+# (opaque, not traced) instead of breaking the graph around an eager attention call, and the layer's backward is one
+# compiled graph too. The row's sizes (max_q, anc_max_q, anc_max_k) travel as a CPU int64 tensor, read inside the op:
+# a Python int would become a guard of the compiled layer and recompile it for every new row.
+
+def plan_tensors(row: PackedRow) -> tuple[torch.Tensor, ...]:
+    """`row`'s split plan as the ops' tensor arguments: cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k (on the
+    row's device) and sizes = [max_q, anc_max_q, anc_max_k] (CPU int64)."""
+    sizes = torch.tensor([row.max_seqlen_q, row.anc_max_q, row.anc_max_k], dtype=torch.int64)
+    plan = row.cu_seqlens_q, row.anc_q_index, row.anc_cu_q, row.anc_kv_index, row.anc_cu_k
+    for t in plan:  # only the op reads their lengths: no 0/1 specialization (a row with a 1-token parent path, or
+        torch._dynamo.decorators.mark_unbacked(t, 0)  # nothing shared, would otherwise compile the layer again)
+    return (*plan, sizes)
+
+
+def _plan_of(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash: bool) -> SplitPlan:
+    max_q, anc_max_q, anc_max_k = (int(x) for x in sizes.tolist())
+    return SplitPlan(cu_q, max_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, anc_max_q, anc_max_k, flash)
+
+
+def _no_dropout_aux(device: torch.device):
+    """FlashAttention's (philox seed, offset) for a backward without dropout (unread there; torch's own varlen
+    attention passes the same)."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+
+
+@torch.library.custom_op("grpo::split_attention", mutates_args=())
+def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                       anc_q_index: torch.Tensor, anc_cu_q: torch.Tensor, anc_kv_index: torch.Tensor,
+                       anc_cu_k: torch.Tensor, sizes: torch.Tensor, scale: float,
+                       flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [N, H, D], lse [H, N]) of the split attention; q [N, H, D], k/v [N, Hkv, D] contiguous."""
+    plan = _plan_of(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash)
+    out, lse, _, _ = _split_forward(q, k, v, plan, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@split_attention_op.register_fake
+def _split_attention_fake(q, k, v, cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, scale, flash):
+    lse_dtype = torch.float32 if flash else torch.promote_types(q.dtype, torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+
+
+@torch.library.custom_op("grpo::split_attention_backward", mutates_args=())
+def split_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, anc_q_index: torch.Tensor,
+                                anc_cu_q: torch.Tensor, anc_kv_index: torch.Tensor, anc_cu_k: torch.Tensor,
+                                sizes: torch.Tensor, scale: float,
+                                flash: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `split_attention_op` from the output gradient and its saved out and lse."""
+    plan = _plan_of(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash)
+    aux = _no_dropout_aux(q.device) if flash else None
+    dq, dk, dv = _split_backward(dout, q, k, v, out, lse, plan, scale, aux, aux)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@split_attention_backward_op.register_fake
+def _split_attention_backward_fake(dout, q, k, v, out, lse, cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k,
+                                   sizes, scale, flash):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _op_setup(ctx, inputs, output):
+    q, k, v, *plan, scale, flash = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], *plan)
+    ctx.scale, ctx.flash = scale, flash
+
+
+def _op_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *plan = ctx.saved_tensors
+    dq, dk, dv = split_attention_backward_op(dout, q, k, v, out, lse, *plan, ctx.scale, ctx.flash)
+    return dq, dk, dv, *([None] * (len(plan) + 2))
+
+
+split_attention_op.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def split_attention_in_graph(plan: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             scale: float, flash: bool) -> torch.Tensor:
+    """`split_attention` through the custom op, `plan` from `plan_tensors`: what a compiled layer calls."""
+    return split_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), *plan, scale, flash)[0]

@@ -259,3 +259,49 @@ def test_whole_layer_compile_equals_eager(tiny_models, kind, checkpointing, monk
     assert fast_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
         torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_flash_split_stays_inside_the_compiled_layer(tiny_models, monkeypatch):
+    """`flash_split` is a custom op with tensor arguments only (grpo/tree_split.py `split_attention_op`): a layer
+    compiled whole calls it inside its graph — no graph break at attention — and rows of new sizes reuse the
+    compiled graphs (the row's ints travel in a CPU tensor, not as guards). Log-probs and gradients equal the eager
+    split's (the dense reference of FlashAttention's contract on CPU)."""
+    import dataclasses
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    import grpo.gdn as tree_gdn
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import DistInfo
+    from grpo.policy import build_policy
+    from test_train import random_samples
+
+    monkeypatch.setattr(tree_gdn, "_COMPILED_CONV", [])  # process-wide compile state, put back after the test
+    for name in ("qwen3", "qwen3_5"):
+        modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    base = AsyncGRPOConfig(model=str(tiny_models["qwen3"]), gradient_checkpointing="false", attn_backend="flash_split")
+    rows = [pack_samples(random_samples(5))] + [pack_samples(random_row_samples(random.Random(seed), "shared_prompt"))
+                                                for seed in (1, 2)]
+    assert all(row.anc_max_q > 0 for row in rows)  # every row runs both parts of the split
+    results, graphs = [], []
+    for overrides in (dict(compile_layers=False), dict(compile_layers=True, compile_scope="layers")):
+        model, policy, *_ = build_policy(dataclasses.replace(base, **overrides), DistInfo(0, 1, 0, torch.device("cpu")),
+                                         2048)
+        counters.clear()
+        for row in rows:
+            logp = policy(row).policy_logprobs
+            (logp @ row.advantages).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.append((logp.detach(), grads))
+            model.zero_grad(set_to_none=True)
+            graphs.append(counters["stats"]["unique_graphs"])
+        breaks = [reason for reason in counters["graph_break"] if "attention" in reason]
+    assert not breaks, breaks
+    assert graphs[3] > 0 and graphs[4] == graphs[5]  # compiled; the third row (new sizes) compiled nothing new
+    for (eager, eager_grads), (fast, fast_grads) in zip(results[:3], results[3:]):
+        torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+        assert fast_grads.keys() == eager_grads.keys()
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
