@@ -279,13 +279,15 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
                            tree_context: TreeContext | None = None, **kwargs):
     """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None).
 
-    `flash_split` (full-attention layers, bf16/fp16 on CUDA or any dtype on CPU) runs as a custom op that a layer
-    compiled whole (`compile_scope="layers"`) keeps inside its graph, forward and backward: its arguments are
-    tensors only (`split_attention_in_graph`). Every other case runs `_tree_attention_eager`, which dynamo never
+    Under torch.compile, `flash_split` (full-attention layers, bf16/fp16 on CUDA or any dtype on CPU) runs as a
+    custom op that a layer compiled whole (`compile_scope="layers"`) keeps inside its graph, forward and backward:
+    its arguments are tensors only (`split_attention_in_graph`). Every other case (eager layers included: there the
+    autograd Function costs less than a custom op's dispatch) runs `_tree_attention_eager`, which dynamo never
     traces (the layer's graph breaks there): the row's Python ints (max_seqlen_*) and per-forward cache would
     otherwise become guards and recompile every row."""
-    if (tree_context is not None and tree_context.split_plan is not None and sliding_window is None and not dropout
-            and query.shape[0] == 1 and (not query.is_cuda or query.dtype in (torch.float16, torch.bfloat16))):
+    if (torch.compiler.is_compiling() and tree_context is not None and tree_context.split_plan is not None
+            and sliding_window is None and not dropout and query.shape[0] == 1
+            and (not query.is_cuda or query.dtype in (torch.float16, torch.bfloat16))):
         from grpo.tree_split import split_attention_in_graph
 
         q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # [N, H or Hkv, D]

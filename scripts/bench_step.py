@@ -2,6 +2,7 @@
 
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 3.4            # 1 GPU: tree and plain, side by side
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 --set compile_layers=false gradient_checkpointing=true
+    python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_split_in_graph=false  # eager split vs op
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
 
 Nothing here re-implements the step: the model is written to disk (random weights at a public shape) and loaded by
@@ -142,6 +143,25 @@ def plain_packing():
         trie.pack_samples, batcher._Row.shared_nodes = pack, shared
 
 
+BENCH_SWITCHES = ("bench_split_in_graph",)
+"""`--set` keys that are bench switches, not config fields: `bench_split_in_graph=false` runs flash_split as the
+eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op), so the
+two can be timed side by side in one process."""
+
+
+@contextlib.contextmanager
+def split_attention_eager():
+    """Bench-only: no split plan on the tree context, so `tree_attention_forward` takes its eager path."""
+    import grpo.tree_split as tree_split
+
+    plan_tensors = tree_split.plan_tensors
+    tree_split.plan_tensors = lambda row: None
+    try:
+        yield
+    finally:
+        tree_split.plan_tensors = plan_tensors
+
+
 def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -> float:
     """The chunked log-prob head alone (fwd + bwd) on M trained positions, bf16, with the policy's head options."""
     import torch
@@ -175,13 +195,17 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
     from grpo.config import AsyncGRPOConfig
     from grpo.policy import build_policy
 
-    config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=args.token_budget),
-                                 **overrides)
+    fields = {k: v for k, v in overrides.items() if k not in BENCH_SWITCHES}
+    config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=args.token_budget), **fields)
     cuda = info.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     case = {"shape": args.shape, "ratio": ratio, "mode": mode, "overrides": overrides, "ranks": info.world_size}
-    with plain_packing() if mode == "plain" else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if mode == "plain":
+            stack.enter_context(plain_packing())
+        if overrides.get("bench_split_in_graph", True) is False:
+            stack.enter_context(split_attention_eager())
         t_build = time.perf_counter()
         model, policy, optimizer, scheduler, autocast = build_policy(config, info, args.token_budget)
         build_s = time.perf_counter() - t_build

@@ -97,3 +97,27 @@ def test_flash_primitives_follow_the_reference_contract(causal):
     for name, g, r in zip(("dq", "dk", "dv"), got, ref):
         scale_r = r.abs().max().item()
         assert (g.double() - r).abs().max().item() <= 3e-2 * scale_r, name
+
+
+@pytest.mark.parametrize("kind", ["shared_prompt", "nothing_shared"])
+def test_split_custom_op_equals_the_eager_split_and_passes_opcheck(kind):
+    """The custom op a compiled layer calls (`split_attention_in_graph`) == the eager autograd Function, values
+    and gradients; `torch.library.opcheck` checks its schema, fake (shape) functions and autograd registration."""
+    from grpo.tree_split import plan_tensors, split_attention, split_attention_in_graph
+
+    rng = random.Random(11)
+    row = pack_samples(random_row_samples(rng, kind))
+    gen = torch.Generator().manual_seed(3)
+    n = row.num_tokens
+    q, k, v = (torch.randn(n, h, 8, dtype=torch.float64, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    probe = torch.randn(n, 4, 8, dtype=torch.float64, generator=gen)
+    results = []
+    for fn in (lambda: split_attention(row, q, k, v, 0.3, flash=False),
+               lambda: split_attention_in_graph(plan_tensors(row), q, k, v, 0.3, False)):
+        out = fn()
+        results.append((out, *torch.autograd.grad((out * probe).sum(), (q, k, v))))
+    for name, ref, got in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=0, msg=name)
+    args = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
+            *plan_tensors(row), 0.3, False)
+    torch.library.opcheck(torch.ops.grpo.split_attention.default, args)
