@@ -107,9 +107,10 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
         out.policy_logprobs.float().sum().backward()
         if (weights := master_weights.of(policy)) is not None:
             weights.accumulate()  # the fp32 gradient buffers count towards the peak, as in a step
-            weights.reset()
-        for p in policy.parameters():
-            p.grad = None
+            weights.reset()  # drops every gradient too
+        else:
+            for p in policy.parameters():
+                p.grad = None
 
     fraction = checkpointing_fraction(config.gradient_checkpointing, policy, model, info, token_budget, run_probe)
     set_gradient_checkpointing(packed_forward_module(model), fraction)

@@ -129,6 +129,12 @@ class SplitPlan:
         return cls(row.cu_seqlens_q, row.max_seqlen_q, row.anc_q_index, row.anc_cu_q, row.anc_kv_index,
                    row.anc_cu_k, row.anc_max_q, row.anc_max_k, flash)
 
+    @classmethod
+    def of_tensors(cls, cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash: bool) -> SplitPlan:
+        """The plan from `plan_tensors`' tensors (sizes = [max_q, anc_max_q, anc_max_k], CPU)."""
+        max_q, anc_max_q, anc_max_k = (int(x) for x in sizes.tolist())
+        return cls(cu_q, max_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, anc_max_q, anc_max_k, flash)
+
     @property
     def has_ancestors(self) -> bool:
         return self.anc_max_q > 0
@@ -223,11 +229,6 @@ def plan_tensors(row: PackedRow) -> tuple[torch.Tensor, ...]:
     return (*plan, sizes)
 
 
-def _plan_of(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash: bool) -> SplitPlan:
-    max_q, anc_max_q, anc_max_k = (int(x) for x in sizes.tolist())
-    return SplitPlan(cu_q, max_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, anc_max_q, anc_max_k, flash)
-
-
 def _no_dropout_aux(device: torch.device):
     """FlashAttention's (philox seed, offset) for a backward without dropout (unread there; torch's own varlen
     attention passes the same)."""
@@ -240,7 +241,7 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
                        anc_cu_k: torch.Tensor, sizes: torch.Tensor, scale: float,
                        flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [N, H, D], lse [H, N]) of the split attention; q [N, H, D], k/v [N, Hkv, D] contiguous."""
-    plan = _plan_of(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash)
+    plan = SplitPlan.of_tensors(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash)
     out, lse, _, _ = _split_forward(q, k, v, plan, scale)
     return out.contiguous(), lse.contiguous()
 
@@ -258,7 +259,7 @@ def split_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 sizes: torch.Tensor, scale: float,
                                 flash: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `split_attention_op` from the output gradient and its saved out and lse."""
-    plan = _plan_of(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash)
+    plan = SplitPlan.of_tensors(cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash)
     aux = _no_dropout_aux(q.device) if flash else None
     dq, dk, dv = _split_backward(dout, q, k, v, out, lse, plan, scale, aux, aux)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -121,11 +121,15 @@ def _print_syncs(events, key, top: int) -> None:
         print(f"  {blocked[k] / 1e3:8.2f} ms {count[k]:6d}x  {k}")
 
 
+def _on_gpu(event) -> bool:
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
 def gpu_idle_gaps(events, min_gap_us: float = 5.0):
     """(busy us, span us, [(gap us, launching event)]): the GPU's work (kernels, copies, memsets: events with a
     CUDA device type) merged into busy intervals; each gap of at least `min_gap_us` paired with the CPU op that
-    launched the work after it (the device event's `linked_correlation_id` is that op's `id`), None if unknown."""
-    device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    launched the work after it (`_launcher_finder`), None if unknown."""
+    device = [e for e in events if _on_gpu(e)]
     if not device:
         return 0.0, 0.0, []
     launcher = _launcher_finder(events)
@@ -154,7 +158,7 @@ def _launcher_finder(events):
     before the work did (an idle GPU runs new work a few us after its launch)."""
     import bisect
 
-    ops = {e.id: e for e in events if not str(getattr(e, "device_type", "")).endswith("CUDA")}
+    ops = {e.id: e for e in events if not _on_gpu(e)}
     launches = sorted((e for e in events if e.name in LAUNCH_CALLS), key=lambda e: e.time_range.start)
     starts = [e.time_range.start for e in launches]
 
