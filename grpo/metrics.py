@@ -117,6 +117,9 @@ def console_line(step: int, metrics: dict[str, float], total_steps: int | None =
     for key in _CONSOLE_KEYS:
         if key in metrics:
             parts.append(f"{key.rsplit('/', 1)[-1]} {metrics[key]:.4g}")
+    if "eval/model_version" in metrics:  # a held-out evaluation finished in this window
+        parts.append(f"eval at v{int(metrics['eval/model_version'])}: reward {metrics.get('eval/reward', math.nan):.4g}"
+                     f" pass@k {metrics.get('eval/pass@k', math.nan):.4g}")
     return " | ".join(parts)
 
 

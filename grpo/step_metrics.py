@@ -99,12 +99,32 @@ def step_summary(plans, samples, micro, info, step_s, optimizer_s, sync_metrics,
     return out | window.reduce()
 
 
+def split_evaluations(items: list) -> tuple[list, list[dict[str, float]]]:
+    """Worker items -> (the other items, one dict of eval/* metrics per evaluation, in the order they finished).
+    An evaluation's items arrive together; a name seen again starts the next evaluation. `eval/skipped_count` is
+    the trainer's counter, reduced with the window like any count."""
+    rest, evals = [], []
+    for name, value in items:
+        if not name.startswith("eval/") or name == "eval/skipped_count":
+            rest.append((name, value))
+            continue
+        if not evals or name in evals[-1]:
+            evals.append({})
+        evals[-1][name] = float(value)
+    return rest, evals
+
+
 def log_window(logger, step: int, window: list[dict], worker) -> None:
+    """One row of the window's reduced metrics at `step`. Evaluations are never averaged together: the newest one
+    finished in the window goes into that row, any earlier one in a row of its own just before it (same step; each
+    row names its `eval/model_version`)."""
     from grpo.metrics import ALWAYS_LOGGED_COUNTERS, MetricsWindow
 
     agg = MetricsWindow(always=ALWAYS_LOGGED_COUNTERS)
     for metrics in window:
         agg.extend(metrics.items())
-    if worker is not None:
-        agg.extend(worker.drain_metrics())
-    logger.log(step, agg.reduce())
+    rest, evals = split_evaluations(worker.drain_metrics() if worker is not None else [])
+    agg.extend(rest)
+    for earlier in evals[:-1]:
+        logger.log(step, earlier)
+    logger.log(step, agg.reduce() | (evals[-1] if evals else {}))

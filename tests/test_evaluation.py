@@ -122,3 +122,28 @@ def test_wait_eval_returns_with_the_eval_metrics_in_hand():
     worker.request_eval(7)
     worker.shared.eval_done.value = 7
     assert not worker.wait_eval(7, timeout=0.5)  # done but its metrics never come: the timeout says so
+
+
+def test_two_evaluations_in_one_window_are_logged_apart(tmp_path):
+    """Evaluations that finish in the same logging window are never averaged: the newest rides in the window's row,
+    the earlier one gets a row of its own at the same step; the trainer's skip counter is summed with the window."""
+    import json
+    from types import SimpleNamespace
+
+    from grpo.evaluation import eval_metrics
+    from grpo.metrics import MetricsLogger
+    from grpo.step_metrics import log_window
+
+    v3 = eval_metrics([1.0, 0.0], [[1.0, 0.0], [0.0, 0.0]], [4, 6], 3, 1.5)
+    v5 = eval_metrics([1.0, 1.0], [[1.0, 1.0], [1.0, 0.0]], [5, 5], 5, 2.0)
+    items = ([("gen/x", 1.0)] + list(v3.items()) + [("eval/skipped_count", 1.0), ("gen/x", 3.0)] + list(v5.items())
+             + [("eval/skipped_count", 1.0)])
+    worker = SimpleNamespace(drain_metrics=lambda: list(items))
+    logger = MetricsLogger(tmp_path, console=False, trackers=[])
+    log_window(logger, 4, [{"loss": 0.5}], worker)
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 4]
+    assert {k: v for k, v in rows[0].items() if k not in ("step", "time")} == v3
+    assert {k: v for k, v in rows[1].items() if k.startswith("eval/") and k != "eval/skipped_count"} == v5
+    assert rows[1]["eval/skipped_count"] == 2.0 and rows[1]["gen/x"] == 2.0 and rows[1]["loss"] == 0.5

@@ -390,7 +390,8 @@ def test_research_workflow_end_to_end(train_server, tmp_path):
     # per step that trained (a step skipped as non-finite syncs nothing), so 5 unless a step was skipped
     per_step = {}  # each step's own row (the final evaluation adds a second row for the last step)
     for r in rows:
-        per_step.setdefault(r["step"], r)
+        if "train/skipped_nonfinite_count" in r:  # not an evaluation's own row (two finished in one window)
+            per_step.setdefault(r["step"], r)
     final = 1.0 + sum(1 for r in per_step.values() if r.get("train/skipped_nonfinite_count") == 0.0)
     seen = [(r.get("step"), r.get("eval/model_version"), r.get("train/skipped_nonfinite_count"),
              r.get("eval/skipped_count")) for r in rows]
