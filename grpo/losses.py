@@ -21,6 +21,7 @@ and no KL term. docs/losses.md lists every deliberate departure, per family, wit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -275,16 +276,18 @@ def clip_metrics(ratio: Tensor, inputs: LossInputs, kept: Tensor, low: float, hi
     low_hit = (ratio < low) & (advantages < 0) & kept  # [M]
     high_hit = (ratio > high) & (advantages > 0) & kept
     kept_per_seq = sequence_sum(kept.float(), inputs)  # [S]
-    has_tokens = kept_per_seq > 0
-    low_frac = sequence_sum(low_hit.float(), inputs)[has_tokens] / kept_per_seq[has_tokens]
-    high_frac = sequence_sum(high_hit.float(), inputs)[has_tokens] / kept_per_seq[has_tokens]
+    has_tokens = kept_per_seq > 0  # sequences without kept tokens are left out: by the neutral element, not by a
+    per_seq = kept_per_seq.clamp_min(1.0)  # boolean index (its nonzero() would make the host wait for the GPU)
+    low_frac = torch.where(has_tokens, sequence_sum(low_hit.float(), inputs) / per_seq, math.inf)
+    high_frac = torch.where(has_tokens, sequence_sum(high_hit.float(), inputs) / per_seq, -math.inf)
+    none = ~has_tokens.any()
     num_kept = kept.float().sum()
     return {
         "clip_ratio/low_mean": low_hit.float().sum() / num_kept,
         "clip_ratio/high_mean": high_hit.float().sum() / num_kept,
         "clip_ratio/region_mean": (low_hit | high_hit).float().sum() / num_kept,
-        "clip_ratio/low_min": reduce(low_frac, torch.min),
-        "clip_ratio/high_max": reduce(high_frac, torch.max),
+        "clip_ratio/low_min": torch.where(none, math.nan, reduce(low_frac, torch.min)),
+        "clip_ratio/high_max": torch.where(none, math.nan, reduce(high_frac, torch.max)),
     }
 
 

@@ -119,8 +119,9 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
 
 
 def build_optimizer(params, config: AsyncGRPOConfig):
-    """AdamW (fused on CUDA) and its LambdaLR schedule: warmup, then constant, linear or cosine over max_steps."""
-    fused = torch.cuda.is_available()
+    """AdamW (fused: one kernel over every tensor, and a non-finite step skipped on the device, grpo/step.py
+    `optimizer_step`) and its LambdaLR schedule: warmup, then constant, linear or cosine over max_steps."""
+    fused = True
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   eps=config.adam_epsilon, weight_decay=config.weight_decay, fused=fused)
     if config.lr_scheduler_type != "constant" and config.max_steps <= 0:

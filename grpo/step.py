@@ -1,7 +1,7 @@
 """One optimizer step on this rank: a micro-batch's forward/backward (`train_micro_batch`), what its loss sees
 (`loss_inputs`), the default row loss, and the clip/step/zero with its non-finite guard (`optimizer_step`).
 
-Nothing here waits for the GPU until the optimizer step (normalisers: docs/losses.md). train.py's LOSS REGION
+Nothing here waits for the GPU before the step's end (docs/design.md, one process; normalisers: docs/losses.md). train.py's LOSS REGION
 holds the row loss a run uses; `normalized_row_loss` here is the default it starts from, used as it is by the
 benches and the tests.
 """
@@ -23,12 +23,16 @@ def loss_inputs(out, row, samples, plan: StepPlan, max_completion_length: int):
 
     from grpo.losses import LossInputs
 
-    device = row.sample_id.device
-    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long, device=device)  # [S]
+    from grpo.trie import to_device
+
+    host = row.host if row.host is not None else row  # built from the CPU twin: no wait for the GPU
+    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long)  # [S]
+    group_index, sequence_lengths = to_device(
+        [group_of_sample[host.sample_id], torch.bincount(host.sample_id, minlength=len(samples))], row.sample_id.device)
     return LossInputs(
         policy_logprobs=out.policy_logprobs.float(), sampler_logprobs=row.sampler_logprobs,
-        advantages=row.advantages, sequence_index=row.sample_id, group_index=group_of_sample[row.sample_id],
-        sequence_lengths=torch.bincount(row.sample_id, minlength=len(samples)),
+        advantages=row.advantages, sequence_index=row.sample_id, group_index=group_index,
+        sequence_lengths=sequence_lengths,
         num_tokens_global=plan.trained_tokens, num_sequences_global=plan.trained_sequences,
         max_completion_length=max_completion_length,
         policy_top_logprobs=None if out.policy_top_logprobs is None else out.policy_top_logprobs.float(),
@@ -90,9 +94,9 @@ class NonFiniteStepError(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient norm."""
 
 
-def step_is_finite(grad_norm, losses) -> bool:
-    """True when the gradient norm and every micro-batch loss are finite on every rank (one tiny all-reduce: the
-    ranks must agree, or one would step while another skips)."""
+def finite_flag(grad_norm, losses):
+    """1 (int32, on the device) when the gradient norm and every micro-batch loss are finite on every rank, else 0:
+    one tiny all-reduce (the ranks must agree, or one would step while another skips), no wait for the GPU."""
     import torch
 
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: clip_grad_norm_ returns a (replicated) DTensor
@@ -103,12 +107,22 @@ def step_is_finite(grad_norm, losses) -> bool:
     flag = flag.to(torch.int32).reshape(1)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())
+    return flag
+
+
+def step_is_finite(grad_norm, losses) -> bool:
+    """`finite_flag` read on the host (waits for the GPU)."""
+    return bool(finite_flag(grad_norm, losses).item())
 
 
 def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, losses=()) -> tuple:
     """Clip, step, zero: (grad_norm before clipping, seconds, stepped). A non-finite loss or gradient norm skips
-    the optimizer and the scheduler (their state and the weights stay as they were) and drops the gradients."""
+    the optimizer and the scheduler (their state and the weights stay as they were) and drops the gradients.
+
+    A fused AdamW (`build_optimizer`'s) gets the verdict as a device tensor (`found_inf`, the flag GradScaler
+    uses): its kernel leaves weights, moments and step counts alone when it is 1, so the host queues the
+    optimizer behind the backward without waiting for it, and reads the verdict at the step's end, where it
+    waits anyway. Other optimizers are stepped or not on the host's reading of the flag."""
     import torch
 
     import grpo.model
@@ -119,13 +133,22 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, lo
     params = grpo.model.trainable_parameters(policy)
     timer = StepTimer(params[0].device)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or 1e30)
-    stepped = step_is_finite(grad_norm, losses)
-    if stepped:
+    flag = finite_flag(grad_norm, losses)
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (1 - flag).float().reshape(())
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif bool(flag.item()):
         optimizer.step()
-        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     timer.mark()
-    return grad_norm, timer.seconds()[0], stepped  # waits for the step's GPU work: the end of a step is a sync point
+    seconds = timer.seconds()[0]  # waits for the step's GPU work: the end of a step is a sync point
+    stepped = bool(flag.item())
+    if stepped:
+        scheduler.step()
+    return grad_norm, seconds, stepped
 
 
 def check_nonfinite(stepped: bool, step: int, micro: list[dict], grad_norm: float, in_a_row: int,

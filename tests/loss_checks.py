@@ -194,9 +194,34 @@ def check_normaliser_with_fewer_units_than_ranks(name: str) -> None:
         assert reference.abs().sum() > 0
 
 
+def check_no_wait_for_the_gpu(name: str) -> None:
+    """The loss, its metrics and its backward run on meta tensors (shapes without data): nothing in them reads a
+    value on the host. On a GPU such a read (`.item()`, a boolean index's `nonzero`, a shape taken from data)
+    makes the host wait for the forward to finish, and the GPU then idles while the host launches the rest."""
+    import dataclasses
+
+    fn, options = get_loss(name)
+    inputs = make_inputs(*structured_case(seed=4))
+
+    def meta(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value.detach().to("meta").requires_grad_(value.requires_grad or value.grad_fn is not None)
+
+    on_meta = dataclasses.replace(inputs, **{f.name: meta(getattr(inputs, f.name)) for f in dataclasses.fields(inputs)})
+    try:
+        out = fn(on_meta, options)
+        normalized_loss(out, on_meta, 1, 1).backward()
+    except (NotImplementedError, RuntimeError) as exc:
+        raise AssertionError(f"loss {name!r} reads a value on the host (the GPU step would wait for the GPU there: use "
+                             f"torch.where or masked reductions instead of boolean indexing or .item()): {exc}") from exc
+    assert all(value.device.type == "meta" for value in out.metrics.values())
+
+
 CHECKS = (check_on_policy_is_reinforce, check_removed_tokens_have_no_gradient,
           check_sampler_minus_inf_is_removed_and_never_nan, check_metrics_and_empty_rows,
-          check_normaliser_over_ranks_and_accumulation, check_normaliser_with_fewer_units_than_ranks)
+          check_normaliser_over_ranks_and_accumulation, check_normaliser_with_fewer_units_than_ranks,
+          check_no_wait_for_the_gpu)
 
 
 def check_loss(name: str) -> None:

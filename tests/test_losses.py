@@ -165,6 +165,31 @@ def test_clip_metrics_by_hand():
     assert metrics["sampling/sampling_logp_difference/max"].item() == pytest.approx(math.log(6.0))
 
 
+def test_clip_metrics_leave_out_sequences_without_kept_tokens():
+    """low_min / high_max are over sequences with a kept token: one whose every token left the band counts as
+    neither 0 nor 1; with no kept token at all both are NaN (dropped by the metric logger)."""
+    fn, options = get_loss("clipped_surrogate")
+    options = dataclasses.replace(options, epsilon_high=0.28)
+    sampler = torch.tensor(LOGP, dtype=torch.float64) - torch.log(torch.tensor(RATIOS, dtype=torch.float64))
+    logp = torch.tensor(list(LOGP) + [0.0, 0.0], dtype=torch.float64)  # sequence 2: ratio e^5 and e^-5, out of band
+    inputs = LossInputs(logp, torch.cat([sampler, torch.tensor([-5.0, 5.0], dtype=torch.float64)]),
+                        torch.tensor(list(ADVANTAGES) + [1.0, -1.0]), torch.tensor([0, 0, 1, 1, 1, 2, 2]))
+    out = fn(inputs, options)
+    assert not out.kept[5:].any()
+    kept = out.kept[:5]
+    per_seq = [(0, 2), (2, 5)]
+    low = [float(((torch.tensor(RATIOS[a:b]) < 0.8) & (torch.tensor(ADVANTAGES[a:b]) < 0) & kept[a:b]).sum()
+                 / kept[a:b].sum()) for a, b in per_seq]
+    high = [float(((torch.tensor(RATIOS[a:b]) > 1.28) & (torch.tensor(ADVANTAGES[a:b]) > 0) & kept[a:b]).sum()
+                  / kept[a:b].sum()) for a, b in per_seq]
+    assert out.metrics["clip_ratio/low_min"].item() == pytest.approx(min(low))
+    assert out.metrics["clip_ratio/high_max"].item() == pytest.approx(max(high))
+    nothing = LossInputs(torch.zeros(2, dtype=torch.float64), torch.tensor([-5.0, 5.0], dtype=torch.float64),
+                         torch.tensor([1.0, -1.0]), torch.tensor([0, 0]))
+    metrics = fn(nothing, options).metrics
+    assert math.isnan(metrics["clip_ratio/low_min"].item()) and math.isnan(metrics["clip_ratio/high_max"].item())
+
+
 # ---- score centering: exact expectations over the sampled token ----------------------------------------------------
 
 SC = ScoreCenteringOptions()

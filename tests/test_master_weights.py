@@ -105,3 +105,38 @@ def test_a_dropped_policy_frees_its_weights(tiny_models):
     del model, policy, optimizer, scheduler
     gc.collect()
     assert not [r for r in params if r() is not None]
+
+
+def _guarded_steps(fused: bool) -> tuple[list, list, torch.Tensor, dict, int]:
+    """Four steps of `optimizer_step` on a small module: finite, a NaN loss, NaN gradients, finite."""
+    from grpo.step import optimizer_step
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.05, weight_decay=0.1, fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    stepped, snapshots = [], []
+    for step, fault in enumerate(["none", "nan_loss", "nan_grad", "none"]):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        loss = module(x).pow(2).mean()
+        loss.backward()
+        if fault == "nan_grad":
+            module[0].weight.grad[0, 0] = float("nan")
+        reported = torch.tensor(float("nan")) if fault == "nan_loss" else loss.detach()
+        stepped.append(optimizer_step(module, optimizer, scheduler, 1.0, [reported])[2])
+        snapshots.append(torch.cat([p.detach().flatten().clone() for p in module.parameters()]))
+    state = optimizer.state[module[0].weight]
+    return stepped, snapshots, state["exp_avg"].clone(), {"step": float(state["step"])}, scheduler.last_epoch
+
+
+def test_a_nonfinite_step_is_skipped_on_the_device_as_on_the_host():
+    """The fused optimizer's skip (the verdict as `found_inf`, no host wait) == the host's skip of a plain AdamW:
+    a NaN loss or NaN gradients leave weights, moments, step count and schedule as they were; finite steps agree."""
+    fused, host = _guarded_steps(True), _guarded_steps(False)
+    assert fused[0] == host[0] == [True, False, False, True]
+    assert torch.equal(fused[1][1], fused[1][0]) and torch.equal(fused[1][2], fused[1][0])  # nothing moved
+    assert not torch.equal(fused[1][3], fused[1][2])
+    for got, ref in zip(fused[1], host[1]):
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fused[2], host[2], atol=1e-7, rtol=1e-6)
+    assert fused[3] == host[3] == {"step": 2.0} and fused[4] == host[4] == 2
