@@ -11,10 +11,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# Triton (FLA's autotune results too) and inductor caches in an ignored folder of the checkout: a warm device machine
-# keeps it between calls, so a later call skips the minutes of autotuning and compiling
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.kernel-cache/triton}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.kernel-cache/inductor}
+source scripts/kernel_cache.sh  # kernel caches in .kernel-cache; autotune results packed into $OUT at exit
+trap save_autotune_results EXIT
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
 B="python3 scripts/bench_step.py"
 timeout ${T06:-180} $B --shape Qwen3-0.6B --profile --ratio 1 3.4 --set ${SET:-attn_backend=flash_varlen} \

@@ -45,6 +45,7 @@ T_START=$SECONDS
 cleanup() {
   declare -F vllm_stop >/dev/null && vllm_stop "$PORT"
   if [ -n "${MPS_STARTED:-}" ]; then echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"; fi
+  declare -F save_autotune_results >/dev/null && save_autotune_results
   echo "total $((SECONDS - T_START)) s"
 }
 trap cleanup EXIT
@@ -96,10 +97,7 @@ else  # a machine with `pip install -r requirements.txt && pip install -e .` don
   vllm_stop() { kill "$(cat "$OUT/vllm_$1.pid")" 2>/dev/null; }
 fi
 export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1  # logs land as written: a call cut short keeps them
-# Triton (FLA's autotune results too) and inductor caches in an ignored folder of the checkout: a warm device machine
-# keeps it between calls, so a later call skips the minutes of autotuning and compiling
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.kernel-cache/triton}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.kernel-cache/inductor}
+source scripts/kernel_cache.sh  # kernel caches in .kernel-cache; autotune results packed into $OUT at exit
 TRAINER_PATH=${EXTRA_SITE:+$EXTRA_SITE:}$PYTHONPATH  # the trainer's and the checks' path (not the server's)
 MODEL=${MODEL:-}; MODELS=${MODELS:-/tmp/models}  # where random-weight models are built (one per concurrent run)
 KIND=${KIND:-qwen3-0.6b}  # or qwen3.5-tiny, qwen3.5-2b (SERVE_FLAGS="--language-model-only --enforce-eager")

@@ -9,10 +9,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# Triton (FLA's autotune results too) and inductor caches in an ignored folder of the checkout: a warm device machine
-# keeps it between calls, so a later call skips the minutes of autotuning and compiling
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.kernel-cache/triton}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.kernel-cache/inductor}
+source scripts/kernel_cache.sh  # kernel caches in .kernel-cache; autotune results packed into $OUT at exit
+trap save_autotune_results EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then  # an offline machine: tyro & co. as carried wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
