@@ -55,6 +55,55 @@ def test_fast_step_trains(tiny_models):
     assert losses[0] != losses[1]
 
 
+@pytest.mark.gpu
+def test_a_step_waits_for_the_gpu_only_at_its_end(tiny_models):
+    """The default step (compiled layers, flash_split, master weights, fused AdamW) queues forward, loss, backward
+    and optimizer without the host waiting for the GPU: under CUDA's sync debug mode the only synchronising calls
+    are the end-of-step reads (StepTimer.seconds, the non-finite verdict). Steps 1-2 warm up (compilation)."""
+    import inspect
+    import warnings
+    from pathlib import Path
+
+    from bench_step import synthetic_groups
+
+    import grpo.step
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import init_distributed
+    from grpo.losses import loss_function
+    from grpo.policy import build_policy
+    from grpo.step import optimizer_step, train_micro_batch
+    from grpo.step_plan import StepPlan
+
+    info = init_distributed()
+    config = AsyncGRPOConfig(model=str(tiny_models["qwen3"]), token_budget=4096)
+    _, policy, optimizer, scheduler, autocast = build_policy(config, info, 4096)
+    samples = [s for s, _ in zip(synthetic_groups(1000, True, config.num_sampler_logprobs, group_size=4,
+                                                  prompt_len=100, completion_len=40), range(8))]
+    plan = StepPlan([samples], sum(s.num_trained for s in samples))
+
+    def step():
+        m = train_micro_batch(policy, samples, plan, loss_function(config.loss), config.loss, 1, 1, autocast,
+                              config.max_completion_length)
+        return optimizer_step(policy, optimizer, scheduler, config.max_grad_norm, [m["loss"]])
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    source, start = inspect.getsourcelines(grpo.step.optimizer_step)
+    end_reads = {start + i for i, line in enumerate(source) if "timer.seconds()" in line or "flag.item()" in line}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            assert step()[2]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [(Path(w.filename).name, w.lineno) for w in caught if "synchroniz" in str(w.message)]
+    allowed = {("step_metrics.py", None)} | {("step.py", n) for n in end_reads}
+    early = [s for s in syncs if s not in allowed and (s[0], None) not in allowed]
+    assert not early, f"the host waited for the GPU inside the step at {early} (all: {syncs})"
+
+
 def _gdn_level_inputs(seed=0, h_k=2, h_v=4, d=128):
     """A several-level trie on CUDA, its scan plan, and q/k/v/g/beta [N, H, ...] in fp32 with loss weights."""
     import random
