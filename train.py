@@ -247,10 +247,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
          loop_cls=None, peft_config=None, eval_dataset=None) -> dict:
     """Build, train until `max_steps` or the end of the epochs, save the final model; {"step", "model_version",
     "output_dir"}."""
-    import gc
-
     from grpo.distributed import barrier
-    from grpo.step import freeze_heap
     from grpo.step_plan import plan_step
 
     run = build(config, reward_funcs, train_dataset, tools, environment_factory, loop_cls, peft_config, eval_dataset)
@@ -261,13 +258,11 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
             if not plans:
                 break
             after_step(run, plans, train_step(run, plans), t_step)
-            freeze_heap(run.step - run.state["step"])  # after a run's (or a resume's) first steps
         final_state = wind_down(run)
     finally:
         if run.worker is not None:
             run.worker.stop()
         run.logger.close()
-        gc.unfreeze()  # a caller that runs main() again can collect this run's cycles
     if run.step > run.saved_step:  # the final model is always saved, also with save_strategy="no"
         save(run, run.step, final_state)
     barrier(run.info)

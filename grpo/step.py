@@ -86,24 +86,6 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, wo
                       "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}
 
 
-HEAP_FROZEN_AFTER_STEPS = 2
-"""Steps after which `freeze_heap` collects and freezes the heap (the first compiles the layers, the second the
-shapes the first did not see)."""
-
-
-def freeze_heap(step: int) -> None:
-    """After each of the first `HEAP_FROZEN_AFTER_STEPS` steps: one full collection, then every surviving object
-    moves to Python's permanent generation (`gc.freeze`). A run's heap is then mostly frozen (the libraries,
-    the model, torch.compile's graphs and guards: about a million objects, whose full collection takes ~0.15-0.3 s),
-    and the full collections Python starts on its own later scan only what the run allocated since, instead of
-    stalling a step now and then at an unpredictable point. `gc.unfreeze()` undoes it (train.py, when it returns)."""
-    import gc
-
-    if 1 <= step <= HEAP_FROZEN_AFTER_STEPS:
-        gc.collect()
-        gc.freeze()
-
-
 def policy_module(policy):
     return getattr(policy, "module", policy)
 

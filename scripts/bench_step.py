@@ -3,7 +3,6 @@
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 3.4            # 1 GPU: tree and plain, side by side
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 --set compile_layers=false gradient_checkpointing=true
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_split_in_graph=false  # eager split vs op
-    python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 --set bench_freeze_heap=false    # heap left unfrozen
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
 
 Nothing here re-implements the step: the model is written to disk (random weights at a public shape) and loaded by
@@ -144,11 +143,10 @@ def plain_packing():
         trie.pack_samples, batcher._Row.shared_nodes = pack, shared
 
 
-BENCH_SWITCHES = ("bench_split_in_graph", "bench_freeze_heap")
+BENCH_SWITCHES = ("bench_split_in_graph",)
 """`--set` keys that are bench switches, not config fields: `bench_split_in_graph=false` runs flash_split as the
-eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op);
-`bench_freeze_heap=false` leaves Python's heap unfrozen (train.py freezes it after its first two steps,
-grpo/step.py `freeze_heap`); so either can be timed side by side with the default in one process."""
+eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op), so the
+two can be timed side by side in one process."""
 
 
 @contextlib.contextmanager
@@ -217,14 +215,11 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
         source = _ready_samples(vocab, ratio, top_k, args)
         warmup = args.warmup + (0 if _WARMED else args.first_warmup)  # the process's first case warms up longer
         _WARMED.append(True)
-        freeze = overrides.get("bench_freeze_heap", True) is not False
-        totals = _timed_steps((policy, optimizer, scheduler, autocast), config, info, source, profiler, args, warmup,
-                              freeze)
+        totals = _timed_steps((policy, optimizer, scheduler, autocast), config, info, source, profiler, args, warmup)
         if profiler is not None:
             _PROFILED.append(True)
             _print_profile(profiler, f"{args.shape} ratio {ratio} {mode} {overrides or 'defaults'}", cuda)
     result = _case_result(case, totals, build_s, model, policy, info, args.steps)
-    gc.unfreeze()  # the case's model may sit in reference cycles: collectable again
     del model, policy, optimizer, scheduler
     gc.collect()
     if cuda:
@@ -241,15 +236,13 @@ def _ready_samples(vocab: int, ratio: float, top_k: int, args):
                                       per_step * (args.warmup + args.first_warmup + args.steps + 3))))
 
 
-def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: int, freeze: bool = True) -> dict:
+def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: int) -> dict:
     """`warmup` + `--steps` trainer steps (two more under `profiler` when given, after the timed ones); sums over
-    the timed steps: tokens (trained, forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, wall).
-    With `freeze` the heap is frozen after steps 1 and 2 as train.py does (between steps, untimed)."""
+    the timed steps: tokens (trained, forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, wall)."""
     import torch
 
     from grpo.batcher import TokenBudgetBatcher
     from grpo.losses import loss_function
-    from grpo.step import freeze_heap
 
     loss_fn = loss_function(config.loss)
     batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
@@ -257,8 +250,6 @@ def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: i
     for step in range(warmup + args.steps + (2 if profiler is not None else 0)):
         if step == warmup + args.steps:  # two extra steps under the profiler, after the timed ones
             profiler.__enter__()
-        if freeze:
-            freeze_heap(step)  # after `step` steps, outside any timed step (train.py: between steps)
         t0 = time.perf_counter()
         plan, m, opt_s = _train_step(trainer, config, loss_fn, batcher, source, info)
         if info.device.type == "cuda":

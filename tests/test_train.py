@@ -403,26 +403,3 @@ def test_research_workflow_end_to_end(train_server, tmp_path):
     assert (tmp_path / "trackio" / "huggingface.db").exists()
     config = json.loads((out / "repro" / "config.json").read_text())
     assert config["advantage"] == {"k": 2} and config["advantage_batch_transforms"] == ["batch_std"]
-
-
-def test_the_heap_is_frozen_after_the_first_two_steps_only():
-    """`freeze_heap` (train.py calls it after every step) collects and freezes after steps 1 and 2, never later: a
-    long run's objects stay collectable, the libraries' and the compiled graphs' are out of the full collections."""
-    import gc
-
-    from grpo.step import freeze_heap
-
-    gc.unfreeze()
-    try:
-        freeze_heap(0)
-        assert gc.get_freeze_count() == 0
-        freeze_heap(1)
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
-        later = [[i] for i in range(1000)]  # tracked containers made after step 1
-        freeze_heap(3)
-        assert gc.get_freeze_count() == frozen
-        freeze_heap(2)
-        assert gc.get_freeze_count() >= frozen + len(later)
-    finally:
-        gc.unfreeze()
