@@ -22,13 +22,13 @@ def loss_inputs(out, row, samples, plan: StepPlan, max_completion_length: int):
     import torch
 
     from grpo.losses import LossInputs
-
     from grpo.trie import to_device
 
-    host = row.host if row.host is not None else row  # built from the CPU twin: no wait for the GPU
-    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long)  # [S]
-    group_index, sequence_lengths = to_device(
-        [group_of_sample[host.sample_id], torch.bincount(host.sample_id, minlength=len(samples))], row.sample_id.device)
+    host = (row.host if row.host is not None else row).sample_id  # the CPU twin's when there is one: no GPU wait
+    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long, device=host.device)  # [S]
+    group_index, sequence_lengths = group_of_sample[host], torch.bincount(host, minlength=len(samples))
+    if host.device != row.sample_id.device:
+        group_index, sequence_lengths = to_device([group_index, sequence_lengths], row.sample_id.device)
     return LossInputs(
         policy_logprobs=out.policy_logprobs.float(), sampler_logprobs=row.sampler_logprobs,
         advantages=row.advantages, sequence_index=row.sample_id, group_index=group_index,

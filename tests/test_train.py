@@ -403,3 +403,24 @@ def test_research_workflow_end_to_end(train_server, tmp_path):
     assert (tmp_path / "trackio" / "huggingface.db").exists()
     config = json.loads((out / "repro" / "config.json").read_text())
     assert config["advantage"] == {"k": 2} and config["advantage_batch_transforms"] == ["batch_std"]
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_loss_inputs_structure_from_the_rows_host_twin(moved):
+    """`loss_inputs` builds the group index and sequence lengths from the row's CPU twin (on a GPU: no wait for the
+    device): equal to each trained token's sample group and each sample's trained-token count."""
+    from types import SimpleNamespace
+
+    from grpo.step import loss_inputs
+    from grpo.step_plan import StepPlan
+    from grpo.trie import pack_samples
+
+    samples = random_samples(3, groups=3, group_size=4)
+    row = pack_samples(samples)
+    row = row.to("cpu") if moved else row
+    assert (row.host is not None) == moved
+    out = SimpleNamespace(policy_logprobs=row.sampler_logprobs.clone(), policy_top_logprobs=None)
+    inputs = loss_inputs(out, row, samples, StepPlan([samples], sum(s.num_trained for s in samples)), 8)
+    token_sample = row.sample_id.tolist()
+    assert inputs.group_index.tolist() == [samples[i].group_id for i in token_sample]
+    assert inputs.sequence_lengths.tolist() == [s.num_trained for s in samples]
