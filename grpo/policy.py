@@ -121,9 +121,8 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
 def build_optimizer(params, config: AsyncGRPOConfig):
     """AdamW (fused: one kernel over every tensor, and a non-finite step skipped on the device, grpo/step.py
     `optimizer_step`) and its LambdaLR schedule: warmup, then constant, linear or cosine over max_steps."""
-    fused = True
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                                  eps=config.adam_epsilon, weight_decay=config.weight_decay, fused=fused)
+                                  eps=config.adam_epsilon, weight_decay=config.weight_decay, fused=True)
     if config.lr_scheduler_type != "constant" and config.max_steps <= 0:
         raise ValueError(f"lr_scheduler_type={config.lr_scheduler_type!r} decays over max_steps, which is unknown "
                          "when training by epochs: set --max-steps too")

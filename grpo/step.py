@@ -1,9 +1,9 @@
 """One optimizer step on this rank: a micro-batch's forward/backward (`train_micro_batch`), what its loss sees
 (`loss_inputs`), the default row loss, and the clip/step/zero with its non-finite guard (`optimizer_step`).
 
-Nothing here waits for the GPU before the step's end (docs/design.md, one process; normalisers: docs/losses.md). train.py's LOSS REGION
-holds the row loss a run uses; `normalized_row_loss` here is the default it starts from, used as it is by the
-benches and the tests.
+Nothing here waits for the GPU before the step's end (docs/design.md, one process; normalisers:
+docs/losses.md). train.py's LOSS REGION holds the row loss a run uses; `normalized_row_loss` here is the default it
+starts from, used as it is by the benches and the tests.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ def loss_inputs(out, row, samples, plan: StepPlan, max_completion_length: int):
     from grpo.losses import LossInputs
     from grpo.trie import to_device
 
-    host = (row.host if row.host is not None else row).sample_id  # the CPU twin's when there is one: no GPU wait
-    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long, device=host.device)  # [S]
-    group_index, sequence_lengths = group_of_sample[host], torch.bincount(host, minlength=len(samples))
-    if host.device != row.sample_id.device:
+    sample_id = (row.host if row.host is not None else row).sample_id  # the CPU twin's when there is one: no GPU wait
+    group_of_sample = torch.tensor([s.group_id for s in samples], dtype=torch.long, device=sample_id.device)  # [S]
+    group_index, sequence_lengths = group_of_sample[sample_id], torch.bincount(sample_id, minlength=len(samples))
+    if sample_id.device != row.sample_id.device:
         group_index, sequence_lengths = to_device([group_index, sequence_lengths], row.sample_id.device)
     return LossInputs(
         policy_logprobs=out.policy_logprobs.float(), sampler_logprobs=row.sampler_logprobs,
@@ -108,11 +108,6 @@ def finite_flag(grad_norm, losses):
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return flag
-
-
-def step_is_finite(grad_norm, losses) -> bool:
-    """`finite_flag` read on the host (waits for the GPU)."""
-    return bool(finite_flag(grad_norm, losses).item())
 
 
 def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, losses=()) -> tuple:

@@ -213,8 +213,9 @@ def check_no_wait_for_the_gpu(name: str) -> None:
         out = fn(on_meta, options)
         normalized_loss(out, on_meta, 1, 1).backward()
     except (NotImplementedError, RuntimeError) as exc:
-        raise AssertionError(f"loss {name!r} reads a value on the host (the GPU step would wait for the GPU there: use "
-                             f"torch.where or masked reductions instead of boolean indexing or .item()): {exc}") from exc
+        raise AssertionError(f"loss {name!r} reads a value on the host (the GPU step would wait for the GPU there: "
+                             f"use torch.where or masked reductions instead of boolean indexing or .item()): {exc}"
+                             ) from exc
     assert all(value.device.type == "meta" for value in out.metrics.values())
 
 
