@@ -25,4 +25,5 @@ timeout ${T35:-200} $B --shape Qwen3.5-2B --check --ratio 3.4 --modes tree plain
   --profile --json "$OUT/q35.json" 2>&1 | grep -v "^RESULT\|Loading\|Writing" | tee "$OUT/q35.log" \
   | grep -v "^ \|^-\|^PROFILE\|Self " | tail -10
 timeout ${TT:-150} python3 -m pytest -q -m gpu tests/test_gpu_step.py tests/test_tree_split.py \
-  tests/test_tree_attention.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  tests/test_tree_attention.py > "$OUT/gpu_tests.log" 2>&1  # the whole log: a failure's message is above its tail
+grep -A 12 "^E " "$OUT/gpu_tests.log" | head -40; tail -4 "$OUT/gpu_tests.log"
