@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from grpo.progress import heartbeat
+
 log = logging.getLogger("grpo.gdn")
 
 FLA_BAD_BACKWARD_TRITON = ("3.4.0", "3.7.1")
@@ -201,19 +203,26 @@ def gdn_kernels(choice: str, device: torch.device, dims: tuple[int, int] = (64, 
         raise ImportError(f"{exc} ({import_error})") from import_error
     if kernels.torch_dqkwg or kernels.backward == "fla" and choice == "auto":
         log.info("Gated DeltaNet: checking FLA's backward against the torch kernel on %s. FLA's first use with an "
-                 "empty Triton cache autotunes its kernels (minutes on an H200, silent); the results are kept in "
-                 "the Triton cache (TRITON_CACHE_DIR, else ~/.triton/cache), so later runs start in seconds. "
-                 "--gdn-kernel torch skips FLA", device)
-    if kernels.torch_dqkwg:
-        kernels = _settle_dqkwg(kernels, fla_rule, device, dims)
-    elif kernels.backward == "fla" and choice == "auto":
-        try:
-            _check_backward(fla_rule, device, dims)
-        except Exception as exc:  # noqa: BLE001 - any kernel failure or mismatch means: use the torch path
-            kernels = _backward_to_torch(kernels, fla_rule, device, [_failure("FLA's backward", exc)])
+                 "empty Triton cache autotunes its kernels (minutes on an H200; a line every 30 s until done); the "
+                 "results are kept in the Triton cache (TRITON_CACHE_DIR, else ~/.triton/cache), so later runs start "
+                 "in seconds. --gdn-kernel torch skips FLA", device)
+        with heartbeat(f"FLA's Gated DeltaNet check on {device} (Triton autotunes FLA's kernels on first use)",
+                       CHECK_PROGRESS_S):
+            kernels = _checked(kernels, fla_rule, device, dims)
     log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
     _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
     return _KERNEL_CHOICE[key]
+
+
+def _checked(kernels: GdnKernels, fla_rule, device: torch.device, dims: tuple[int, int]) -> GdnKernels:
+    """`kernels` after FLA's backward is checked at `dims`: its refused step settled, or the backward on torch."""
+    if kernels.torch_dqkwg:
+        return _settle_dqkwg(kernels, fla_rule, device, dims)
+    try:
+        _check_backward(fla_rule, device, dims)
+    except Exception as exc:  # noqa: BLE001 - any kernel failure or mismatch means: use the torch path
+        return _backward_to_torch(kernels, fla_rule, device, [_failure("FLA's backward", exc)])
+    return kernels
 
 
 def _settle_dqkwg(kernels: GdnKernels, fla_rule, device: torch.device, dims: tuple[int, int]) -> GdnKernels:
@@ -254,6 +263,9 @@ def _backward_to_torch(kernels: GdnKernels, fla_rule, device: torch.device, fail
         return GdnKernels("fla", "torch", f"{kernels.reason}; {failed}")
     return GdnKernels("torch", "torch", failed)
 
+
+CHECK_PROGRESS_S = 30.0
+"""Seconds between the "still waiting for FLA's Gated DeltaNet check" lines while FLA's check (autotuning) runs."""
 
 BACKWARD_CHECK_TOL = 3e-2
 """Largest error an FLA backward may show against the torch kernel in `_check_backward`, as a fraction of each

@@ -3,7 +3,9 @@ line every `every` seconds saying what is awaited and since when, so a wait is n
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 
 log = logging.getLogger("grpo.wait")
@@ -38,3 +40,22 @@ class WaitProgress:
         self.logger.warning("still waiting for %s since %s (%.0f s)%s", self.what, since, now - self.since,
                             f": {detail}" if detail else "")
         return True
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = DEFAULT_EVERY_S, logger: logging.Logger = log):
+    """For a blocking call that cannot tick (a kernel check that autotunes for minutes): a daemon thread logs the
+    same "still waiting for ..." line every `every` seconds until the block exits."""
+    progress, done = WaitProgress(what, every, logger), threading.Event()
+
+    def beat():
+        while not done.wait(min(1.0, every / 4)):
+            progress.tick()
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield progress
+    finally:
+        done.set()
+        thread.join()

@@ -706,29 +706,14 @@ def test_torch_path_never_reaches_importable_fla(tiny_models):
                                    torch.tensor(list(here["grad_norms"].values())), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("triton_version, with_chunk, guard, fails, expected, checked", [
-    ("3.6.0", False, False, (), ("fla", "torch", ""), []),  # no replaceable step: FLA forward only, unchecked
-    ("3.7.1", False, False, (), ("fla", "fla", ""), ["own"]),  # FLA's own backward, checked first
-    ("3.6.0", True, False, (), ("fla", "fla", "torch"), ["torch"]),  # FLA's backward with its dqkwg step in torch
-    ("3.6.0", True, False, ("torch",), ("fla", "torch", ""), ["torch"]),  # ... which fails its check: torch
-    ("3.6.0", True, True, (), ("fla", "fla", "unguarded"), ["unguarded"]),  # FLA's own step past its guard
-    ("3.6.0", True, True, ("unguarded",), ("fla", "fla", "torch"), ["unguarded", "torch"]),  # ... fails: torch step
-    ("3.6.0", True, True, ("unguarded", "torch"), ("fla", "torch", ""), ["unguarded", "torch"]),  # both fail
-])
-def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, with_chunk, guard, fails, expected,
-                                        checked):
-    """`gdn_kernels` feeds the rule the installed Triton's version and the device's capability (faked here: a
-    Hopper GPU, an importable fla), and where FLA refuses its dqkwg step tries FLA's own past its guard (when the
-    guard's flag exists), then the torch step, each checked at the model's head sizes against the torch kernel
-    before use; it puts FLA's own back when both fail, and logs the choice once."""
-    import logging
+def fake_fla_on_hopper(monkeypatch, triton_version: str, with_chunk: bool, guard: bool):
+    """An importable stub fla (its varlen rule; with `with_chunk` its chunk module's dqkwg step, with `guard` the
+    Triton-version flag FLA's guard reads), the given Triton version and a Hopper device capability: the facts
+    `gdn_kernels` reads. Returns (rule module, chunk module, chunk_o module, FLA's own dqkwg step)."""
     import sys
     import types
 
     import triton
-
-    import grpo.gdn as gdn
-    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
 
     fake = types.ModuleType("fla.ops.gated_delta_rule")
     fake.chunk_gated_delta_rule = lambda *a, **k: None
@@ -749,6 +734,30 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    return fake, chunk, chunk_o, flas_own
+
+
+@pytest.mark.parametrize("triton_version, with_chunk, guard, fails, expected, checked", [
+    ("3.6.0", False, False, (), ("fla", "torch", ""), []),  # no replaceable step: FLA forward only, unchecked
+    ("3.7.1", False, False, (), ("fla", "fla", ""), ["own"]),  # FLA's own backward, checked first
+    ("3.6.0", True, False, (), ("fla", "fla", "torch"), ["torch"]),  # FLA's backward with its dqkwg step in torch
+    ("3.6.0", True, False, ("torch",), ("fla", "torch", ""), ["torch"]),  # ... which fails its check: torch
+    ("3.6.0", True, True, (), ("fla", "fla", "unguarded"), ["unguarded"]),  # FLA's own step past its guard
+    ("3.6.0", True, True, ("unguarded",), ("fla", "fla", "torch"), ["unguarded", "torch"]),  # ... fails: torch step
+    ("3.6.0", True, True, ("unguarded", "torch"), ("fla", "torch", ""), ["unguarded", "torch"]),  # both fail
+])
+def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, with_chunk, guard, fails, expected,
+                                        checked):
+    """`gdn_kernels` feeds the rule the installed Triton's version and the device's capability (faked here: a
+    Hopper GPU, an importable fla), and where FLA refuses its dqkwg step tries FLA's own past its guard (when the
+    guard's flag exists), then the torch step, each checked at the model's head sizes against the torch kernel
+    before use; it puts FLA's own back when both fail, and logs the choice once."""
+    import logging
+
+    import grpo.gdn as gdn
+    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+
+    fake, chunk, chunk_o, flas_own = fake_fla_on_hopper(monkeypatch, triton_version, with_chunk, guard)
     import grpo.gdn_choice as gdn_choice
 
     monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
@@ -781,6 +790,32 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
     assert ("past its Triton guard" in lines[0]) == (step == "unguarded")
     if with_chunk:  # whatever step is in, FLA's own is what a later choice (other head sizes) starts from
         assert gdn_choice.install_torch_dqkwg() is flas_own
+
+
+def test_a_long_fla_check_logs_progress(monkeypatch, caplog):
+    """FLA's first use autotunes for minutes inside `gdn_kernels`' check: a "still waiting" line comes every
+    CHECK_PROGRESS_S while it runs (here a stub check that sleeps), none once the choice is made."""
+    import logging
+    import time
+
+    import grpo.gdn_choice as gdn_choice
+
+    fake_fla_on_hopper(monkeypatch, "3.7.1", False, False)
+    monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
+    monkeypatch.setattr(gdn_choice, "CHECK_PROGRESS_S", 0.2)
+    monkeypatch.setattr(gdn_choice, "_check_backward", lambda rule, device, dims: time.sleep(1.1))
+
+    def waiting() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "still waiting for FLA's Gated DeltaNet check on cuda:0"
+                in r.getMessage()]
+
+    with caplog.at_level(logging.INFO):
+        kernels, _ = gdn_choice.gdn_kernels("auto", torch.device("cuda", 0), (128, 32))
+        lines = waiting()
+        time.sleep(0.5)
+    assert (kernels.forward, kernels.backward) == ("fla", "fla")
+    assert 3 <= len(lines) <= 6, lines
+    assert waiting() == lines  # nothing after the check returned
 
 
 def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monkeypatch):
