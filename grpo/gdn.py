@@ -344,7 +344,7 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     beta = layer.in_proj_b(x).sigmoid()  # [N, H_v]
     g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias)  # [N, H_v]
     kernels, fla_rule = gdn_kernels(getattr(layer, "_tree_gdn_kernel", "auto"), x.device,
-                                    (layer.head_k_dim, layer.head_v_dim))
+                                    (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
     if kernels.for_forward(needs_grad) == "fla":
         core_attn_out = tree_varlen_gated_delta_rule(fla_rule, query, key, value, g, beta, plan)

@@ -21,6 +21,9 @@ log = logging.getLogger("grpo.gdn")
 FLA_BAD_BACKWARD_TRITON = ("3.4.0", "3.7.1")
 """[low, high) Triton versions with which FLA's gated chunk backward is wrong on Hopper (FLA raises there)."""
 
+PROBE_HEADS = (2, 2, 64, 64)
+"""(H_k, H_v, D_k, D_v) of the kernel checks when the caller names no layer."""
+
 
 def fla_directions(triton_version: str | None, capability: tuple[int, int] | None) -> tuple[bool, bool, str]:
     """(forward_ok, backward_ok, reason): whether FLA's gated delta-rule kernels compute correct results with
@@ -62,7 +65,7 @@ def unguarded_fla_dqkwg(own):
     FLA puts in front of it, or None when this FLA has no such guard to lift (`TRITON_ABOVE_3_7_1` of
     fla.ops.common.chunk_o). The miscompile FLA guards against (FLA issue #640) was bisected to one tiling, a 64-wide
     key block (BK = 64); on Hopper FLA tiles 128-wide, so K = 128 heads may run correct. `gdn_kernels` uses this only
-    after it passed `_check_backward` at the model's own head sizes on this GPU."""
+    after it passed `_check_backward` at the model's own heads on this GPU."""
     try:
         import fla.ops.common.chunk_o as chunk_o
     except ImportError:
@@ -169,17 +172,17 @@ def choose_gdn_kernels(choice: str, device_type: str, fla_importable: bool, trit
     return GdnKernels("fla" if forward_ok else "torch", "fla" if forward_ok and backward_ok else "torch", reason)
 
 
-_KERNEL_CHOICE: dict = {}  # (device type, device index, choice, head sizes) -> (GdnKernels, FLA's rule or None)
+_KERNEL_CHOICE: dict = {}  # (device type, device index, choice, heads) -> (GdnKernels, FLA's rule or None)
 
 
-def gdn_kernels(choice: str, device: torch.device, dims: tuple[int, int] = (64, 64)):
+def gdn_kernels(choice: str, device: torch.device, heads: tuple[int, int, int, int] = PROBE_HEADS):
     """(GdnKernels, FLA's varlen rule or None) for `choice` on `device`: `choose_gdn_kernels` on this machine's
-    facts. An FLA backward must first match the torch kernel on a small varlen case with the model's head sizes
-    `dims` (D_k, D_v) (`_check_backward`), under auto always and under fla when FLA refuses its dqkwg step; there
+    facts. An FLA backward must first match the torch kernel on a small varlen case with the layer's `heads` (H_k,
+    H_v, D_k, D_v) (`_check_backward`), under auto always and under fla when FLA refuses its dqkwg step; there
     `_settle_dqkwg` tries FLA's own step past its guard, then the torch step. A failure moves the backward (or,
-    when FLA's forward fails too, both directions) to torch. Decided once per device, choice and head sizes, and
+    when FLA's forward fails too, both directions) to torch. Decided once per device, choice and heads, and
     logged once (INFO: which kernel runs forward and backward, and why)."""
-    key = (device.type, device.index, choice, tuple(dims))
+    key = (device.type, device.index, choice, tuple(heads))
     if key in _KERNEL_CHOICE:
         return _KERNEL_CHOICE[key]
     fla_rule, import_error, triton_version, capability, replaceable = None, None, None, None, False
@@ -208,26 +211,26 @@ def gdn_kernels(choice: str, device: torch.device, dims: tuple[int, int] = (64, 
                  "in seconds. --gdn-kernel torch skips FLA", device)
         with heartbeat(f"FLA's Gated DeltaNet check on {device} (Triton autotunes FLA's kernels on first use)",
                        CHECK_PROGRESS_S):
-            kernels = _checked(kernels, fla_rule, device, dims)
+            kernels = _checked(kernels, fla_rule, device, heads)
     log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
     _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
     return _KERNEL_CHOICE[key]
 
 
-def _checked(kernels: GdnKernels, fla_rule, device: torch.device, dims: tuple[int, int]) -> GdnKernels:
-    """`kernels` after FLA's backward is checked at `dims`: its refused step settled, or the backward on torch."""
+def _checked(kernels: GdnKernels, fla_rule, device: torch.device, heads: tuple[int, ...]) -> GdnKernels:
+    """`kernels` after FLA's backward is checked at `heads`: its refused step settled, or the backward on torch."""
     if kernels.torch_dqkwg:
-        return _settle_dqkwg(kernels, fla_rule, device, dims)
+        return _settle_dqkwg(kernels, fla_rule, device, heads)
     try:
-        _check_backward(fla_rule, device, dims)
+        _check_backward(fla_rule, device, heads)
     except Exception as exc:  # noqa: BLE001 - any kernel failure or mismatch means: use the torch path
         return _backward_to_torch(kernels, fla_rule, device, [_failure("FLA's backward", exc)])
     return kernels
 
 
-def _settle_dqkwg(kernels: GdnKernels, fla_rule, device: torch.device, dims: tuple[int, int]) -> GdnKernels:
+def _settle_dqkwg(kernels: GdnKernels, fla_rule, device: torch.device, heads: tuple[int, ...]) -> GdnKernels:
     """FLA refuses its gated dqkwg step on this Triton/GPU: put in the first step with which FLA's whole backward
-    passes `_check_backward` at `dims` — FLA's own past its guard (`unguarded_fla_dqkwg`; skipped with
+    passes `_check_backward` at `heads` — FLA's own past its guard (`unguarded_fla_dqkwg`; skipped with
     GRPO_FLA_DQKWG=torch), then grpo/gdn_dqkwg.py's — or FLA's own back (it raises, never returns wrong) and the
     backward on torch."""
     from grpo.gdn_dqkwg import chunk_bwd_dqkwg
@@ -242,7 +245,7 @@ def _settle_dqkwg(kernels: GdnKernels, fla_rule, device: torch.device, dims: tup
     for name, step in steps:
         _set_dqkwg(step)
         try:
-            _check_backward(fla_rule, device, dims)
+            _check_backward(fla_rule, device, heads)
         except Exception as exc:  # noqa: BLE001 - any kernel failure or mismatch: try the next step
             failures.append(_failure("FLA's own dqkwg step past its guard" if name == "unguarded"
                                      else "FLA's backward with the torch dqkwg step", exc))
@@ -282,19 +285,20 @@ def _forward_probe_passes(rule, device: torch.device) -> bool:
     return True
 
 
-def _probe_inputs(device: torch.device, grad: bool, dims: tuple[int, int] = (64, 64)):
-    """q, k, v, g, beta, h0 of a two-segment varlen call (64 and 80 tokens, 2 heads of `dims` = (D_k, D_v)), as
-    the tree path makes it: bf16 q/k/v/beta, fp32 gates and initial states."""
+def _probe_inputs(device: torch.device, grad: bool, heads: tuple[int, int, int, int] = PROBE_HEADS):
+    """q, k, v, g, beta, h0 of a two-segment varlen call (64 and 80 tokens; `heads` = (H_k, H_v, D_k, D_v)), as
+    the tree path makes it: bf16 q/k [1, N, H_k, D_k], v [1, N, H_v, D_v] and beta, fp32 gates and initial
+    states [2, H_v, D_k, D_v]."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    (n, h), (d_k, d_v) = (144, 2), dims
+    n, (h_k, h_v, d_k, d_v) = 144, heads
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
 
-    q, k, v = rand(1, n, h, d_k), rand(1, n, h, d_k), rand(1, n, h, d_v)
-    g = (-torch.rand(1, n, h, generator=gen) * 0.2).to(device).requires_grad_(grad)
-    beta = torch.rand(1, n, h, generator=gen).to(device=device, dtype=torch.bfloat16).requires_grad_(grad)
-    h0 = (torch.randn(2, h, d_k, d_v, generator=gen) * 0.1).to(device).requires_grad_(grad)
+    q, k, v = rand(1, n, h_k, d_k), rand(1, n, h_k, d_k), rand(1, n, h_v, d_v)
+    g = (-torch.rand(1, n, h_v, generator=gen) * 0.2).to(device).requires_grad_(grad)
+    beta = torch.rand(1, n, h_v, generator=gen).to(device=device, dtype=torch.bfloat16).requires_grad_(grad)
+    h0 = (torch.randn(2, h_v, d_k, d_v, generator=gen) * 0.1).to(device).requires_grad_(grad)
     return q, k, v, g, beta, h0
 
 
@@ -303,23 +307,32 @@ def _probe_kwargs(device: torch.device) -> dict:
     return {"cu_seqlens": cu.to(device), "cu_seqlens_cpu": cu, "use_qk_l2norm_in_kernel": True}
 
 
-def _check_backward(rule, device: torch.device, dims: tuple[int, int] = (64, 64)) -> float:
-    """FLA's varlen forward + backward vs grpo.gdn_kernel's torch kernel (fp32, segment by segment) on the same
-    inputs: outputs, final states and every gradient (q, k, v, g, beta, initial state) within
-    `BACKWARD_CHECK_TOL` of each value's scale; returns the largest such error, raises RuntimeError above it."""
+def _check_backward(rule, device: torch.device, heads: tuple[int, int, int, int] = PROBE_HEADS) -> float:
+    """FLA's varlen forward + backward vs grpo.gdn_kernel's torch kernel (fp32, segment by segment, the q/k heads
+    repeated to the value heads as transformers does) on the same inputs, with initial states and without (a
+    trie's root level has none: another of FLA's compiled variants): outputs, final states and every gradient (q,
+    k, v, g, beta, initial state) within `BACKWARD_CHECK_TOL` of each value's scale; returns the largest such
+    error, raises RuntimeError above it. At the layer's `heads` it also autotunes (on first use) the kernels the
+    training calls will use, while the caller's progress lines run."""
+    return max(_check_once(rule, device, heads, with_states) for with_states in (True, False))
+
+
+def _check_once(rule, device: torch.device, heads: tuple[int, int, int, int], with_states: bool) -> float:
     from grpo.gdn_kernel import chunk_gated_delta_rule
 
-    inputs = _probe_inputs(device, True, dims)
-    q, k, v, g, beta, h0 = inputs
-    out, final = rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, **_probe_kwargs(device))
+    inputs = list(_probe_inputs(device, True, heads))[:6 if with_states else 5]
+    h0 = inputs[5] if with_states else None
+    out, final = rule(*inputs[:5], initial_state=h0, output_final_state=True, **_probe_kwargs(device))
     weights = torch.randn(out.shape, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)
     ((out.float() * weights).sum() + final.float().sum()).backward()
     got = [out.detach().float(), final.detach().float()] + [t.grad.float() for t in inputs]
     ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    q, k = (t.repeat_interleave(heads[1] // heads[0], dim=2) for t in ref_inputs[:2])  # [1, N, H_v, D_k]
     outs, finals = [], []
     for seg, (lo, hi) in enumerate([(0, 64), (64, 144)]):
-        o, f = chunk_gated_delta_rule(*(t[:, lo:hi] for t in ref_inputs[:5]), initial_state=ref_inputs[5][seg:seg + 1],
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, f = chunk_gated_delta_rule(*(t[:, lo:hi] for t in [q, k] + ref_inputs[2:5]), output_final_state=True,
+                                      initial_state=ref_inputs[5][seg:seg + 1] if with_states else None,
+                                      use_qk_l2norm_in_kernel=True)
         outs.append(o)
         finals.append(f)
     ref_out, ref_final = torch.cat(outs, 1), torch.cat(finals, 0)
@@ -329,5 +342,6 @@ def _check_backward(rule, device: torch.device, dims: tuple[int, int] = (64, 64)
     errors = {name: float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for name, a, b in zip(names, got, want)}
     worst = max(errors, key=errors.get)
     if errors[worst] > BACKWARD_CHECK_TOL:
-        raise RuntimeError(f"{worst} is off by {errors[worst]:.3g} of its scale (tolerance {BACKWARD_CHECK_TOL})")
+        raise RuntimeError(f"{worst} is off by {errors[worst]:.3g} of its scale (tolerance {BACKWARD_CHECK_TOL}"
+                           f"{'' if with_states else ', without initial states'})")
     return errors[worst]

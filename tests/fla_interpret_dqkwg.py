@@ -88,8 +88,8 @@ def whole_backward():
     import grpo.gdn_choice as gdn_choice
 
     make_inputs = gdn_choice._probe_inputs
-    gdn_choice._probe_inputs = lambda device, grad, *dims: [t.detach().float().requires_grad_(grad)
-                                                            for t in make_inputs(device, grad, *dims)]
+    gdn_choice._probe_inputs = lambda device, grad, *heads: [t.detach().float().requires_grad_(grad)
+                                                             for t in make_inputs(device, grad, *heads)]
     assert gdn_choice.install_torch_dqkwg() and fla_chunk.chunk_bwd_dqkwg is chunk_bwd_dqkwg
     error = gdn_choice._check_backward(chunk_gated_delta_rule, torch.device("cpu"))
 
@@ -109,7 +109,8 @@ def whole_backward():
 def unguarded_step():
     """FLA's own step where FLA refuses it (a Hopper GPU with Triton 3.6, simulated through the flags its guard
     reads): the guard's verdict, then FLA's whole backward with its own step past the guard
-    (`unguarded_fla_dqkwg`) through `_check_backward` at head sizes 32 x 16, and the guard's flag afterwards."""
+    (`unguarded_fla_dqkwg`) through `_check_backward` with 2 key heads of 4 value heads of sizes 32 x 16 (q/k heads
+    shared as transformers repeats them), and the guard's flag afterwards."""
     import fla.ops.common.chunk_o as chunk_o
     import fla.ops.gated_delta_rule.chunk as fla_chunk
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -120,12 +121,12 @@ def unguarded_step():
     fla_chunk.chunk_bwd_dqkwg = fla_dqkwg  # FLA's own again (whole_backward left a broken step in)
     chunk_o.IS_NVIDIA_HOPPER, chunk_o.TRITON_ABOVE_3_4_0, chunk_o.TRITON_ABOVE_3_7_1 = True, True, False
     try:
-        gdn_choice._check_backward(chunk_gated_delta_rule, cpu, (32, 16))
+        gdn_choice._check_backward(chunk_gated_delta_rule, cpu, (2, 4, 32, 16))
         refused = "ran"
     except RuntimeError as exc:
         refused = str(exc)
     fla_chunk.chunk_bwd_dqkwg = gdn_choice.unguarded_fla_dqkwg(fla_dqkwg)
-    error = gdn_choice._check_backward(chunk_gated_delta_rule, cpu, (32, 16))
+    error = gdn_choice._check_backward(chunk_gated_delta_rule, cpu, (2, 4, 32, 16))
     return {"refused": refused, "error": error, "flag_after": chunk_o.TRITON_ABOVE_3_7_1}
 
 

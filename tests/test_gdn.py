@@ -766,8 +766,8 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
     def step_name(step) -> str:
         return {id(flas_own): "own", id(chunk_bwd_dqkwg): "torch"}.get(id(step), "unguarded")
 
-    def check(rule, device, dims):
-        assert dims == (128, 32)  # the model's head sizes reach the check
+    def check(rule, device, heads):
+        assert heads == (4, 8, 128, 32)  # the layer's heads and head sizes reach the check
         checks.append(step_name(chunk.chunk_bwd_dqkwg))
         if checks[-1] == "unguarded":
             assert chunk.chunk_bwd_dqkwg() is True and chunk_o.TRITON_ABOVE_3_7_1 is False  # lifted for the call only
@@ -777,8 +777,8 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
     monkeypatch.setattr(gdn_choice, "_check_backward", check)
     monkeypatch.setattr(gdn_choice, "_forward_probe_passes", lambda rule, device: True)
     with caplog.at_level(logging.INFO, logger="grpo.gdn"):
-        kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0), (128, 32))
-        assert gdn.gdn_kernels("auto", torch.device("cuda", 0), (128, 32)) == (kernels, rule)
+        kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0), (4, 8, 128, 32))
+        assert gdn.gdn_kernels("auto", torch.device("cuda", 0), (4, 8, 128, 32)) == (kernels, rule)
     step = "torch" if kernels.torch_dqkwg else "unguarded" if kernels.unguarded_dqkwg else ""
     assert (kernels.forward, kernels.backward, step) == expected
     assert rule is fake.chunk_gated_delta_rule
@@ -803,14 +803,14 @@ def test_a_long_fla_check_logs_progress(monkeypatch, caplog):
     fake_fla_on_hopper(monkeypatch, "3.7.1", False, False)
     monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
     monkeypatch.setattr(gdn_choice, "CHECK_PROGRESS_S", 0.2)
-    monkeypatch.setattr(gdn_choice, "_check_backward", lambda rule, device, dims: time.sleep(1.1))
+    monkeypatch.setattr(gdn_choice, "_check_backward", lambda rule, device, heads: time.sleep(1.1))
 
     def waiting() -> list[str]:
         return [r.getMessage() for r in caplog.records if "still waiting for FLA's Gated DeltaNet check on cuda:0"
                 in r.getMessage()]
 
     with caplog.at_level(logging.INFO):
-        kernels, _ = gdn_choice.gdn_kernels("auto", torch.device("cuda", 0), (128, 32))
+        kernels, _ = gdn_choice.gdn_kernels("auto", torch.device("cuda", 0), (4, 8, 128, 32))
         lines = waiting()
         time.sleep(0.5)
     assert (kernels.forward, kernels.backward) == ("fla", "fla")

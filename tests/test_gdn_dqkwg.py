@@ -52,9 +52,10 @@ def test_dqkwg_rejects_what_it_does_not_cover():
         chunk_bwd_dqkwg(x, x, x, x, torch.zeros(1, 1, 1, 8, 8), torch.zeros(1, 1, 1, 8, 8))
 
 
-def _varlen_torch_rule(scale_dk: float = 1.0):
-    """FLA's varlen signature over grpo.gdn_kernel's torch kernel, segment by segment; `scale_dk` != 1 scales the
-    key gradient (a wrong backward with a correct forward)."""
+def _varlen_torch_rule(scale_dk: float = 1.0, tiled: bool = False):
+    """FLA's varlen signature over grpo.gdn_kernel's torch kernel, segment by segment, grouped q/k heads shared by
+    consecutive value heads (`tiled`: by every H_k-th, a wrong grouping); `scale_dk` != 1 scales the key gradient
+    (a wrong backward with a correct forward)."""
     from grpo.gdn_kernel import chunk_gated_delta_rule
 
     class ScaleGrad(torch.autograd.Function):
@@ -69,11 +70,13 @@ def _varlen_torch_rule(scale_dk: float = 1.0):
     def rule(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
              use_qk_l2norm_in_kernel):
         k = ScaleGrad.apply(k)
+        group = v.shape[2] // q.shape[2]
+        q, k = (t.repeat(1, 1, group, 1) if tiled else t.repeat_interleave(group, dim=2) for t in (q, k))
         bounds = cu_seqlens_cpu.tolist()
         outs, finals = [], []
         for seg, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            o, f = chunk_gated_delta_rule(*(t[:, lo:hi].float() for t in (q, k, v, g, beta)),
-                                          initial_state=initial_state[seg:seg + 1], output_final_state=True,
+            o, f = chunk_gated_delta_rule(*(t[:, lo:hi].float() for t in (q, k, v, g, beta)), output_final_state=True,
+                                          initial_state=None if initial_state is None else initial_state[seg:seg + 1],
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             outs.append(o)
             finals.append(f)
@@ -83,12 +86,17 @@ def _varlen_torch_rule(scale_dk: float = 1.0):
 
 
 def test_backward_check_passes_a_correct_backward_and_fails_a_wrong_one():
+    """At equal and at grouped head counts: a correct rule passes; a wrong key gradient, or q/k heads shared by the
+    wrong value heads, fails."""
     from grpo.gdn_choice import BACKWARD_CHECK_TOL, _check_backward
 
     cpu = torch.device("cpu")
-    assert _check_backward(_varlen_torch_rule(), cpu) < BACKWARD_CHECK_TOL  # bf16 inputs vs the fp32 reference
-    with pytest.raises(RuntimeError, match="dk is off by"):
-        _check_backward(_varlen_torch_rule(scale_dk=1.5), cpu)
+    for heads in [(2, 2, 64, 64), (2, 4, 32, 16)]:  # grouped: 2 key heads of 4 value heads
+        assert _check_backward(_varlen_torch_rule(), cpu, heads) < BACKWARD_CHECK_TOL  # bf16 vs the fp32 reference
+        with pytest.raises(RuntimeError, match="dk is off by"):
+            _check_backward(_varlen_torch_rule(scale_dk=1.5), cpu, heads)
+    with pytest.raises(RuntimeError, match="is off by"):  # q/k heads shared by the wrong value heads
+        _check_backward(_varlen_torch_rule(tiled=True), cpu, (2, 4, 32, 16))
 
 
 def _dqkwg_inputs(lens, heads=2, v_heads=4, d_k=16, d_v=8, seed=0):
