@@ -43,10 +43,18 @@ def run(cmd, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def worker_pids(pid: int) -> list[int]:
+    """The live descendants of `pid` but multiprocessing's resource tracker. A child that exits while it is listed
+    (a zombie or gone by the time its command line is read) is not one of them."""
     import psutil
 
-    return [c.pid for c in psutil.Process(pid).children(recursive=True)
-            if "resource_tracker" not in " ".join(c.cmdline())]
+    pids = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return pids
 
 
 def gone(pids) -> bool:
