@@ -17,7 +17,9 @@ bench-only switch).
 Columns: trained tok/s (completion tokens trained per second: the comparable number across modes), forwarded
 tok/s, MFU (grpo/flops.py: causal attention, head on trained tokens only, peak 989 TFLOP/s bf16), peak GiB, and
 the breakdown of a step in ms: fwd, bwd (fwd+bwd - fwd), head (the chunked log-prob head alone, fwd+bwd, timed in
-isolation on the same shapes), opt (clip + AdamW), host (the rest of the step: batching, packing, copies).
+isolation on the same shapes), opt (clip + AdamW), host (the rest of the step: batching, packing, copies), and
+two parts of host measured on the host's clock: plan (the batcher closing the micro-batch) and pack (`pack_samples`
+building the row, before its copy to the device).
 """
 
 from __future__ import annotations
@@ -162,6 +164,28 @@ def split_attention_eager():
         tree_split.plan_tensors = plan_tensors
 
 
+@contextlib.contextmanager
+def timed_packing(seconds: list):
+    """Bench-only: the host seconds of each `pack_samples` call inside (train_micro_batch's packing of its row,
+    before the row's copy to the device) appended to `seconds`."""
+    import grpo.trie as trie
+
+    pack = trie.pack_samples
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return pack(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    trie.pack_samples = timed
+    try:
+        yield
+    finally:
+        trie.pack_samples = pack
+
+
 def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -> float:
     """The chunked log-prob head alone (fwd + bwd) on M trained positions, bf16, with the policy's head options."""
     import torch
@@ -246,12 +270,15 @@ def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: i
 
     loss_fn = loss_function(config.loss)
     batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
-    totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0)
+    totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0,
+                  plan=0.0, pack=0.0)
+    packs: list[float] = []
     for step in range(warmup + args.steps + (2 if profiler is not None else 0)):
         if step == warmup + args.steps:  # two extra steps under the profiler, after the timed ones
             profiler.__enter__()
-        t0 = time.perf_counter()
-        plan, m, opt_s = _train_step(trainer, config, loss_fn, batcher, source, info)
+        t0, packed_before = time.perf_counter(), len(packs)
+        with timed_packing(packs):
+            plan, m, opt_s = _train_step(trainer, config, loss_fn, batcher, source, info)
         if info.device.type == "cuda":
             torch.cuda.synchronize()
         kind = "warm-up" if step < warmup else "timed" if step < warmup + args.steps else "profiled"
@@ -267,6 +294,8 @@ def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: i
         totals["fwd"] += m["perf/fwd_s"]
         totals["fwd_bwd"] += m["perf/fwd_bwd_s"]
         totals["opt"] += opt_s
+        totals["plan"] += m["_plan_s"]
+        totals["pack"] += sum(packs[packed_before:])
     if profiler is not None:
         profiler.__exit__(None, None, None)
     return totals
@@ -280,11 +309,13 @@ def _train_step(trainer: tuple, config, loss_fn, batcher, source, info):
     from grpo.step_metrics import resolve_metrics
 
     policy, optimizer, scheduler, autocast = trainer
+    t0 = time.perf_counter()
     plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
+    plan_s = time.perf_counter() - t0
     m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
                           autocast, config.max_completion_length)
     _, opt_s, _ = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
-    return plan, resolve_metrics([m])[0], opt_s
+    return plan, resolve_metrics([m])[0] | {"_plan_s": plan_s}, opt_s
 
 
 def _print_profile(profiler, label: str, cuda: bool) -> None:
@@ -321,6 +352,7 @@ def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, 
         "head_ms": head_ms(model, totals["head"] // n, policy_module(policy).keep_logits_bytes,
                            policy_module(policy).fused_head), "opt_ms": 1e3 * totals["opt"] / n,
         "host_ms": 1e3 * (totals["wall"] - totals["fwd_bwd"] - totals["opt"]) / n,
+        "plan_ms": 1e3 * totals["plan"] / n, "pack_ms": 1e3 * totals["pack"] / n,
     }
 
 
@@ -400,14 +432,15 @@ def parse_overrides(items: list[str]) -> dict:
 
 def print_table(results: list[dict]) -> None:
     print(f"{'shape':<12} {'ratio':>5} {'mode':<6} {'set':<28} {'pack':>5} {'trained/s':>10} {'fwd tok/s':>10} "
-          f"{'MFU':>6} {'peak GiB':>8} {'ckpt':>4} {'fwd':>7} {'bwd':>7} {'head':>7} {'opt':>6} {'host':>6}")
+          f"{'MFU':>6} {'peak GiB':>8} {'ckpt':>4} {'fwd':>7} {'bwd':>7} {'head':>7} {'opt':>6} {'host':>6} "
+          f"{'plan':>5} {'pack':>5}")
     for r in results:
         mfu_s = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         sets = ",".join(f"{k}={v}" for k, v in r["overrides"].items()) or "defaults"
         print(f"{r['shape']:<12} {r['ratio']:>5} {r['mode']:<6} {sets:<28} {r['packing_ratio']:>5.2f} "
               f"{r['trained_tok_s']:>10.0f} {r['forwarded_tok_s']:>10.0f} {mfu_s:>6} {r['peak_gib']:>8.1f} "
               f"{r['checkpointed_layers']:>4} {r['fwd_ms']:>7.0f} {r['bwd_ms']:>7.0f} {r['head_ms']:>7.0f} "
-              f"{r['opt_ms']:>6.0f} {r['host_ms']:>6.0f}")
+              f"{r['opt_ms']:>6.0f} {r['host_ms']:>6.0f} {r['plan_ms']:>5.1f} {r['pack_ms']:>5.1f}")
     by_key = {(r["ratio"], r["mode"], json.dumps(r["overrides"])): r for r in results}
     for (ratio, mode, sets), r in by_key.items():
         plain = by_key.get((ratio, "plain", sets))
