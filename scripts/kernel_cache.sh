@@ -5,7 +5,8 @@
 # are packed into $OUT/triton_autotune.tgz (`save_autotune_results`, the caller's EXIT trap): unpacked into
 # .kernel-cache/triton on the machine that sends the calls and carried back (`carry: [".kernel-cache"]`), a fresh
 # machine skips FLA's autotuning (it still compiles the chosen configs, seconds each).
-# The compiled kernels themselves stay behind (tens of MB).
+# The compiled kernels themselves stay behind (tens of MB). A machine whose cache holds no autotune results starts
+# from the newest set kept with the logs (docs/results/*/triton_autotune.tgz, tracked: it travels with every call).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.kernel-cache/triton}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.kernel-cache/inductor}
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
@@ -15,3 +16,11 @@ save_autotune_results() {
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$out/triton_autotune.tgz" -T - 2>/dev/null \
     && echo "autotune results: $(tar tzf "$out/triton_autotune.tgz" | wc -l) files in $out/triton_autotune.tgz")
 }
+seed_autotune_results() {
+  [ -n "$(find "$TRITON_CACHE_DIR" -name '*.autotune.json' 2>/dev/null | head -1)" ] && return 0
+  local tgz; tgz=$(ls -1 docs/results/*/triton_autotune.tgz 2>/dev/null | sort | tail -1)
+  [ -n "$tgz" ] || return 0
+  mkdir -p "$TRITON_CACHE_DIR" && tar xzf "$tgz" -C "$TRITON_CACHE_DIR" \
+    && echo "autotune results: $(tar tzf "$tgz" | wc -l) files from $tgz"
+}
+seed_autotune_results
