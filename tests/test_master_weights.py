@@ -140,3 +140,46 @@ def test_a_nonfinite_step_is_skipped_on_the_device_as_on_the_host():
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(fused[2], host[2], atol=1e-7, rtol=1e-6)
     assert fused[3] == host[3] == {"step": 2.0} and fused[4] == host[4] == 2
+
+
+def test_optimizer_step_reads_the_device_only_at_its_end(monkeypatch):
+    """`optimizer_step` on fake CUDA tensors (FakeTensorMode: no GPU needed; a read of device data raises there):
+    clipping, the non-finite verdict and the fused AdamW step queue without a device read or a copy between
+    devices; the first read is the verdict's `.item()` at the step's end."""
+    import inspect
+    import traceback
+
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import grpo.step as step
+    from grpo.step_metrics import StepTimer
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.cross_device = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            devices = {t.device.type for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
+            if len(devices | {torch.device(kwargs.get("device") or next(iter(devices), "cpu")).type}) > 1:
+                self.cross_device.append(str(func))
+            return func(*args, **kwargs)
+
+    monkeypatch.setattr(step, "StepTimer", lambda device: StepTimer(torch.device("cpu")))  # no CUDA events here
+    source, start = inspect.getsourcelines(step.optimizer_step)
+    end_read = start + next(i for i, line in enumerate(source) if "stepped = bool(flag.item())" in line)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        policy = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(8, 8, device="cuda")),
+                                         torch.nn.Parameter(torch.zeros(8, device="cuda"))])
+        for p in policy.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        copies = Copies()
+        with copies, pytest.raises(DataDependentOutputException) as read:
+            step.optimizer_step(policy, optimizer, scheduler, 1.0, [torch.ones((), device="cuda")])
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(read.tb)]
+    assert (step.__file__, end_read) in frames, frames
+    assert copies.cross_device == []
