@@ -163,7 +163,9 @@ def test_optimizer_step_reads_the_device_only_at_its_end(monkeypatch):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             devices = {t.device.type for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
-            if len(devices | {torch.device(kwargs.get("device") or next(iter(devices), "cpu")).type}) > 1:
+            if kwargs.get("device") is not None:  # a copy to another device names it
+                devices.add(torch.device(kwargs["device"]).type)
+            if len(devices) > 1:
                 self.cross_device.append(str(func))
             return func(*args, **kwargs)
 
