@@ -38,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_patches import BENCH_SWITCHES, plain_packing, split_attention_eager, timed_packing  # noqa: E402
+
 QWEN3 = dict(vocab_size=151_936, tie_word_embeddings=True, num_key_value_heads=8, head_dim=128)
 SHAPES = {  # public configs' text stacks
     "Qwen3-0.6B": ("qwen3", dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -128,62 +130,6 @@ def next_plan(batcher, source):
     while (rows := batcher.add(next(source))) is None:
         pass
     return StepPlan(rows, sum(s.num_trained for r in rows for s in r), batcher.last_stats.as_metrics())
-
-
-@contextlib.contextmanager
-def plain_packing():
-    """Bench-only: pack and budget rows with no prefix sharing (the padding-free baseline)."""
-    import grpo.batcher as batcher
-    import grpo.trie as trie
-
-    pack, shared = trie.pack_samples, batcher._Row.shared_nodes
-    trie.pack_samples = lambda samples, share_prefixes=True: pack(samples, share_prefixes=False)
-    batcher._Row.shared_nodes = lambda self, marked: 0
-    try:
-        yield
-    finally:
-        trie.pack_samples, batcher._Row.shared_nodes = pack, shared
-
-
-BENCH_SWITCHES = ("bench_split_in_graph",)
-"""`--set` keys that are bench switches, not config fields: `bench_split_in_graph=false` runs flash_split as the
-eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op), so the
-two can be timed side by side in one process."""
-
-
-@contextlib.contextmanager
-def split_attention_eager():
-    """Bench-only: no split plan on the tree context, so `tree_attention_forward` takes its eager path."""
-    import grpo.tree_split as tree_split
-
-    plan_tensors = tree_split.plan_tensors
-    tree_split.plan_tensors = lambda row: None
-    try:
-        yield
-    finally:
-        tree_split.plan_tensors = plan_tensors
-
-
-@contextlib.contextmanager
-def timed_packing(seconds: list):
-    """Bench-only: the host seconds of each `pack_samples` call inside (train_micro_batch's packing of its row,
-    before the row's copy to the device) appended to `seconds`."""
-    import grpo.trie as trie
-
-    pack = trie.pack_samples
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return pack(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - t0)
-
-    trie.pack_samples = timed
-    try:
-        yield
-    finally:
-        trie.pack_samples = pack
 
 
 def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -> float:
