@@ -128,12 +128,22 @@ def faults(module_proxy, live_worker):
 def test_transient_server_faults_are_retried_or_counted(live_worker, faults, route, action, count):
     faults.add(route, action, count)
     assert len(pull(live_worker, 8)) == 8
-    time.sleep(1.0)  # a few /metrics polls
-    out = metrics(live_worker)
-    if route == "/metrics":
-        assert out["rollout/vllm_metrics_error_count"] >= 1
-    else:
-        assert out["rollout/vllm_retry_count"] >= count
+    key = "rollout/vllm_metrics_error_count" if route == "/metrics" else "rollout/vllm_retry_count"
+    wait_for_count(live_worker, key, count or 1)
+
+
+def wait_for_count(worker, key: str, at_least: int, seconds: float = 90) -> None:
+    """The counter's sum over the worker's metrics reaches `at_least` (the poller pushes it every `metrics_poll_s`,
+    which a loaded machine stretches: waiting a fixed second was flaky in CI). Samples keep being pulled meanwhile,
+    so the worker is never held by backpressure while the retried requests are due."""
+    seen = []
+
+    def reached():
+        worker.get(timeout=0.5)
+        seen.extend(value for name, value in worker.drain_metrics() if name == key)
+        return sum(seen) >= at_least
+
+    wait_until(reached, seconds, f"{key} >= {at_least} (seen so far: {sum(seen):g})")
 
 
 @pytest.mark.vllm
