@@ -1,0 +1,86 @@
+"""The trainer's micro-batch queues its device work without reading the device: packing, forward (tree attention
+through `flash_split`'s FlashAttention ops, the Gated DeltaNet tree scan, MoE routing), every registered loss, the
+backward and the master weights' gradient accumulation run with the model on PyTorch's meta device, where any
+read of device data raises (`.item()`, `.tolist()`, `bool(t)`, `nonzero`, boolean indexing, `repeat_interleave`
+without an output size, a copy back to the host). On a GPU each of those is a wait for the GPU's queue to drain;
+`tests/test_gpu_step.py` checks the same on CUDA with the compiled layers, this one runs everywhere."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grpo.losses import registered_losses
+
+
+class CrossDeviceCopies(TorchDispatchMode):
+    """Records each op whose tensors live on more than one device (a host-to-device copy from pageable memory makes
+    CUDA synchronise), except those of `grpo/trie.py`'s `PackedRow.to` and `to_device`: on CUDA they are one
+    pinned, non-blocking copy (field by field here, as on any device but CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device.type for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
+        if kwargs.get("device") is not None:
+            devices.add(torch.device(kwargs["device"]).type)
+        stack = traceback.extract_stack()[:-1]
+        if len(devices) > 1 and not any(f.name in ("to", "to_device") and f.filename.endswith("trie.py") for f in stack):
+            self.seen.append(f"{func} at " + " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(stack[-6:])))
+        return func(*args, **kwargs)
+
+
+def _on_meta_as_cuda(monkeypatch):
+    """The CUDA code paths on meta tensors: `is_cuda` true for them, torch's FlashAttention ops declared available
+    (their meta kernels give the shapes), autocast a no-op on meta (it has no autocast dtype)."""
+    import grpo.tree_attention as tree_attention
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type in ("cuda", "meta")))
+    monkeypatch.setattr(tree_attention, "_split_available", lambda device: True)
+    autocast = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **kw: contextlib.nullcontext()
+                        if device_type == "meta" else autocast(device_type, *a, **kw))
+
+
+@pytest.mark.parametrize("loss", list(registered_losses()))
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_moe"])
+def test_a_micro_batch_reads_nothing_from_the_device(tiny_models, monkeypatch, kind, loss):
+    from bench_step import synthetic_groups
+
+    from grpo import master_weights
+    from grpo.config import AsyncGRPOConfig
+    from grpo.gdn import patch_gdn_layers
+    from grpo.lora import packed_forward_module
+    from grpo.losses import get_loss, loss_function
+    from grpo.model import load_policy
+    from grpo.policy import PackedPolicy
+    from grpo.step import train_micro_batch
+    from grpo.step_plan import StepPlan
+
+    _on_meta_as_cuda(monkeypatch)
+    config = AsyncGRPOConfig(model=str(tiny_models[kind]), loss=get_loss(loss)[1])
+    model = load_policy(config.model, "float32", False, False, None)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    patch_gdn_layers(model, "auto")
+    policy = master_weights.attach(PackedPolicy(packed_forward_module(model), "flash_split", 1.0))
+    stream = synthetic_groups(model.config.get_text_config().vocab_size, True, config.num_sampler_logprobs,
+                              group_size=4, prompt_len=60, completion_len=20)
+    batches = [[next(stream) for _ in range(4)] for _ in range(2)]  # a group of 4 rollouts each
+    plan = StepPlan(batches, sum(s.num_trained for b in batches for s in b))
+    copies = CrossDeviceCopies()
+    with copies:
+        for samples in batches:  # two micro-batches: the fp32 gradient buffers are made, then added to
+            metrics = train_micro_batch(policy, samples, plan, loss_function(config.loss), config.loss, 1, 2,
+                                        contextlib.nullcontext, config.max_completion_length)
+        policy.master_weights.to_master()
+    assert copies.seen == []
+    assert metrics["loss"].device.type == "meta"
+    grads = [p.grad for p in policy.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
