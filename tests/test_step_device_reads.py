@@ -31,9 +31,10 @@ class CrossDeviceCopies(TorchDispatchMode):
         devices = {t.device.type for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
         if kwargs.get("device") is not None:
             devices.add(torch.device(kwargs["device"]).type)
-        stack = traceback.extract_stack()[:-1]
-        if len(devices) > 1 and not any(f.name in ("to", "to_device") and f.filename.endswith("trie.py") for f in stack):
-            self.seen.append(f"{func} at " + " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(stack[-6:])))
+        if len(devices) > 1:
+            stack = traceback.extract_stack()[:-1]
+            if not any(f.name in ("to", "to_device") and f.filename.endswith("trie.py") for f in stack):
+                self.seen.append(f"{func} at " + " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(stack[-6:])))
         return func(*args, **kwargs)
 
 
