@@ -3,7 +3,8 @@ through `flash_split`'s FlashAttention ops, the Gated DeltaNet tree scan, MoE ro
 backward and the master weights' gradient accumulation run with the model on PyTorch's meta device, where any
 read of device data raises (`.item()`, `.tolist()`, `bool(t)`, `nonzero`, boolean indexing, `repeat_interleave`
 without an output size, a copy back to the host). On a GPU each of those is a wait for the GPU's queue to drain;
-`tests/test_gpu_step.py` checks the same on CUDA with the compiled layers, this one runs everywhere."""
+`optimizer_step` runs on fake CUDA tensors and reads the device first at its end. `tests/test_gpu_step.py` checks the
+whole step on CUDA with the compiled layers; these run everywhere."""
 
 from __future__ import annotations
 
@@ -90,3 +91,32 @@ def test_a_micro_batch_reads_nothing_from_the_device(tiny_models, monkeypatch, k
     assert metrics["loss"].device.type == "meta"
     grads = [p.grad for p in policy.parameters() if p.requires_grad]
     assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+
+
+def test_optimizer_step_reads_the_device_only_at_its_end(monkeypatch):
+    """`optimizer_step` on fake CUDA tensors (FakeTensorMode: no GPU needed; a read of device data raises there):
+    clipping, the non-finite verdict and the fused AdamW step queue without a device read or a copy between
+    devices; the first read is the verdict's `.item()` at the step's end."""
+    import inspect
+
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    import grpo.step as step
+    from grpo.step_metrics import StepTimer
+
+    monkeypatch.setattr(step, "StepTimer", lambda device: StepTimer(torch.device("cpu")))  # no CUDA events here
+    source, start = inspect.getsourcelines(step.optimizer_step)
+    end_read = start + next(i for i, line in enumerate(source) if "stepped = bool(flag.item())" in line)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        policy = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(8, 8, device="cuda")),
+                                         torch.nn.Parameter(torch.zeros(8, device="cuda"))])
+        for p in policy.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        copies = CrossDeviceCopies()
+        with copies, pytest.raises(DataDependentOutputException) as read:
+            step.optimizer_step(policy, optimizer, scheduler, 1.0, [torch.ones((), device="cuda")])
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(read.tb)]
+    assert (step.__file__, end_read) in frames, frames
+    assert copies.seen == []
