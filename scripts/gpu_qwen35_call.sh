@@ -5,7 +5,7 @@
 # >= 3.4, < 3.7.1 on Hopper, so there the step runs FLA's backward with its chunk_bwd_dqkwg step in torch,
 # grpo/gdn_dqkwg.py, if that passes its check against the torch kernel, else the torch backward; never a crash).
 #   bash scripts/gpu_qwen35_call.sh        # logs and JSON under $OUT
-# Knobs (env): FLA_GDN=1 (bench_gdn in the fla phase too)  TESTS=0 (skip pytest -m gpu)  CONV=1 (bench_gdn --conv)  FLA_WHEELS=.whlfla  PHASES="nofla fla"  STEPS=3  RATIOS="3.4 1"  GDN_VARIANTS="torch torch-compiled"
+# Knobs (env): TEST_PATHS="tests/test_gpu_step.py" (pytest -m gpu paths)  FLA_GDN=1 (bench_gdn in the fla phase too)  TESTS=0 (skip pytest -m gpu)  CONV=1 (bench_gdn --conv)  FLA_WHEELS=.whlfla  PHASES="nofla fla"  STEPS=3  RATIOS="3.4 1"  GDN_VARIANTS="torch torch-compiled"
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -35,7 +35,7 @@ for PHASE in ${PHASES:-nofla fla}; do
   fi
   if [ "${TESTS:-1}" != 0 ]; then
   echo "== $PHASE: pytest -m gpu"
-  timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_step.py 2>&1 \
+  timeout "${T_TESTS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests/test_gpu_step.py} 2>&1 \
     | tee "$OUT/tests_$PHASE.log" | tail -6
   fi
   echo "== $PHASE: bench_step Qwen3.5-2B"

@@ -97,6 +97,7 @@ def test_a_step_waits_for_the_gpu_only_at_its_end(tiny_models):
                  if "timer.seconds()" in line or "flag.item()" in line}
     with sync_stacks() as stacks:
         assert step()[2]
+    assert stacks, "no synchronisation recorded: the end-of-step reads must show up (is sync debug mode working?)"
     # a sync is allowed when its stack passes through an end-of-step read (the warning's own frame can be torch's
     # wrapper, e.g. torch/cuda/streams.py for Event.synchronize)
     early = [s for s in stacks if not any(frame in end_reads for frame in s)]
@@ -107,11 +108,12 @@ def test_a_step_waits_for_the_gpu_only_at_its_end(tiny_models):
 @contextlib.contextmanager
 def sync_stacks():
     """Record the Python stack [(file name, line), ...] of every CUDA synchronisation under sync debug mode "warn"
-    (the warning is shown while the synchronising call is still on the stack)."""
+    (the warning is shown while the synchronising call is still on the stack). Only c10's sync warning counts:
+    torch's other warnings (set_sync_debug_mode's own note that the mode is experimental among them) are not syncs."""
     stacks: list[list[tuple[str, int]]] = []
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if "called a synchronizing CUDA operation" in str(message):
             stacks.append([(Path(f.filename).name, f.lineno) for f in traceback.extract_stack()[:-1]])
 
     with warnings.catch_warnings():
@@ -235,7 +237,7 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
 
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
         forward_ok, backward_ok, _ = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability())
-        assert kernels.backward == "torch" or backward_ok or kernels.torch_dqkwg
+        assert kernels.backward == "torch" or backward_ok or kernels.torch_dqkwg or kernels.unguarded_dqkwg
         assert (kernels.forward == "fla") == (fla_rule is not None)
     except ImportError:
         assert (kernels.forward, kernels.backward) == ("torch", "torch")
