@@ -22,10 +22,29 @@ def plain_packing():
         trie.pack_samples, batcher._Row.shared_nodes = pack, shared
 
 
-BENCH_SWITCHES = ("bench_split_in_graph",)
+BENCH_SWITCHES = ("bench_split_in_graph", "bench_cpp_wrapper")
 """`--set` keys that are bench switches, not config fields: `bench_split_in_graph=false` runs flash_split as the
 eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op), so the
-two can be timed side by side in one process."""
+two can be timed side by side in one process; `bench_cpp_wrapper=true` compiles with inductor's C++ wrapper
+(`inductor_cpp_wrapper`)."""
+
+
+@contextlib.contextmanager
+def inductor_cpp_wrapper():
+    """Bench-only: torch.compile's generated code launches its kernels from C++ instead of Python
+    (`torch._inductor.config.cpp_wrapper`), for a step that waits on the host's launches (small layers). Affects the
+    graphs compiled inside; the case builds a fresh policy, so its layers compile under it."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.cpp_wrapper
+    torch._dynamo.reset()
+    inductor_config.cpp_wrapper = True
+    try:
+        yield
+    finally:
+        inductor_config.cpp_wrapper = before
+        torch._dynamo.reset()
 
 
 @contextlib.contextmanager

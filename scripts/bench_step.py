@@ -3,6 +3,7 @@
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 3.4            # 1 GPU: tree and plain, side by side
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 --set compile_layers=false gradient_checkpointing=true
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_split_in_graph=false  # eager split vs op
+    python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_cpp_wrapper=true  # kernels launched from C++
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
 
 Nothing here re-implements the step: the model is written to disk (random weights at a public shape) and loaded by
@@ -38,7 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_patches import BENCH_SWITCHES, plain_packing, split_attention_eager, timed_packing  # noqa: E402
+from bench_patches import (BENCH_SWITCHES, inductor_cpp_wrapper, plain_packing, split_attention_eager,  # noqa: E402
+                           timed_packing)
 
 QWEN3 = dict(vocab_size=151_936, tie_word_embeddings=True, num_key_value_heads=8, head_dim=128)
 SHAPES = {  # public configs' text stacks
@@ -176,6 +178,8 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
             stack.enter_context(plain_packing())
         if overrides.get("bench_split_in_graph", True) is False:
             stack.enter_context(split_attention_eager())
+        if overrides.get("bench_cpp_wrapper", False) is True:
+            stack.enter_context(inductor_cpp_wrapper())
         t_build = time.perf_counter()
         model, policy, optimizer, scheduler, autocast = build_policy(config, info, args.token_budget)
         build_s = time.perf_counter() - t_build

@@ -72,3 +72,25 @@ def test_gpu_idle_falls_back_to_the_last_launch_before_the_work():
     kernels = [_event(10, 0, 10, "CUDA"), _event(11, 50, 60, "CUDA"), _event(12, 100, 110, "CUDA")]
     _, _, gaps = gpu_idle_gaps([mm, add, launch_mm, launch_add, *kernels])
     assert [(g, op.name) for g, op in gaps] == [(40, "aten::mm"), (40, "aten::add")]
+
+
+def test_cpp_wrapper_switch_compiles_under_it_and_restores_the_config():
+    """bench_step's `bench_cpp_wrapper=true`: code compiled inside runs through inductor's C++ wrapper and computes
+    what eager does; the process's inductor config is as before afterwards."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from bench_patches import inductor_cpp_wrapper
+    from torch._inductor.utils import run_and_get_code
+
+    def layer(x, w):
+        return torch.nn.functional.silu(x @ w) * x.sum(-1, keepdim=True)
+
+    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    before = inductor_config.cpp_wrapper
+    with inductor_cpp_wrapper():
+        got, code = run_and_get_code(torch.compile(layer, dynamic=True), x, w)
+    assert inductor_config.cpp_wrapper == before
+    assert "inductor_entry_impl" in code[0]  # the C++ entry point of cpp_wrapper's generated module
+    torch.testing.assert_close(got, layer(x, w))
+    _, code = run_and_get_code(torch.compile(layer, dynamic=True), x, w)
+    assert "inductor_entry_impl" not in code[0]  # outside the switch: the Python wrapper
