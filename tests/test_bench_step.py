@@ -75,22 +75,33 @@ def test_gpu_idle_falls_back_to_the_last_launch_before_the_work():
 
 
 def test_cpp_wrapper_switch_compiles_under_it_and_restores_the_config():
-    """bench_step's `bench_cpp_wrapper=true`: code compiled inside runs through inductor's C++ wrapper and computes
-    what eager does; the process's inductor config is as before afterwards."""
-    import torch
+    """bench_step's `bench_cpp_wrapper=true`: a layer with the split attention op inside (what a compiled decoder
+    layer holds on a GPU; here its dense reference) compiles through inductor's C++ wrapper, forward and backward,
+    and computes what eager does; the process's inductor config is as before afterwards."""
+    import random
+
     import torch._inductor.config as inductor_config
     from bench_patches import inductor_cpp_wrapper
+    from test_tree_split import random_row_samples
     from torch._inductor.utils import run_and_get_code
 
-    def layer(x, w):
-        return torch.nn.functional.silu(x @ w) * x.sum(-1, keepdim=True)
+    from grpo.tree_split import plan_tensors, split_attention_in_graph
+    from grpo.trie import pack_samples
 
-    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    row = pack_samples(random_row_samples(random.Random(11), "shared_prompt"))
+    n, gen = row.num_tokens, torch.Generator().manual_seed(0)
+    w, x = torch.randn(16, 16, generator=gen, requires_grad=True), torch.randn(n, 16, generator=gen)
+
+    def layer(x, w, plan):
+        h = torch.nn.functional.silu(x @ w)
+        q, k, v = h.view(n, 4, 4), h[:, :8].reshape(n, 2, 4), h[:, 8:].reshape(n, 2, 4)
+        return (split_attention_in_graph(plan, q, k, v, 0.5, False) * 1.5).square().mean()
+
+    want = layer(x, w, plan_tensors(row))
     before = inductor_config.cpp_wrapper
     with inductor_cpp_wrapper():
-        got, code = run_and_get_code(torch.compile(layer, dynamic=True), x, w)
+        got, code = run_and_get_code(torch.compile(layer, dynamic=True), x, w, plan_tensors(row))
+        assert "inductor_entry_impl" in code[0]  # the C++ entry point of cpp_wrapper's generated module
+        torch.testing.assert_close(torch.autograd.grad(got, w), torch.autograd.grad(want, w))
     assert inductor_config.cpp_wrapper == before
-    assert "inductor_entry_impl" in code[0]  # the C++ entry point of cpp_wrapper's generated module
-    torch.testing.assert_close(got, layer(x, w))
-    _, code = run_and_get_code(torch.compile(layer, dynamic=True), x, w)
-    assert "inductor_entry_impl" not in code[0]  # outside the switch: the Python wrapper
+    torch.testing.assert_close(got, want)
