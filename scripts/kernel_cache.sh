@@ -24,9 +24,12 @@ save_autotune_results() {
 save_library_kernels() {  # $1: the folder to write triton_kernels.tgz into
   local out=$1 max=$((${KERNELS_MAX_MB:-15} * 1024 * 1024)) size
   [ "$max" -gt 0 ] || return 0  # KERNELS_MAX_MB=0: not packed (a call that returns 8 files already)
-  (cd "$TRITON_CACHE_DIR" && for d in */; do
-     [ -n "$(find "$d" -maxdepth 1 -name 'triton_*' -print -quit)" ] || echo "${d%/}"
-   done | tar czf "$out/triton_kernels.tgz" -T - 2>/dev/null) || return 0
+  local dirs; dirs=$(cd "$TRITON_CACHE_DIR" 2>/dev/null && for d in */; do
+    [ -n "$(find "$d" -maxdepth 1 -name 'triton_*' -print -quit)" ] || echo "${d%/}"; done)
+  # none compiled (no FLA in this call): no file, the call's 8 returned files stay for its logs
+  (cd "$TRITON_CACHE_DIR" && echo "$dirs" | xargs -r -I{} find {} -maxdepth 1 -name '*.cubin' | grep -q .) \
+    || return 0
+  (cd "$TRITON_CACHE_DIR" && echo "$dirs" | tar czf "$out/triton_kernels.tgz" -T - 2>/dev/null) || return 0
   size=$(stat -c %s "$out/triton_kernels.tgz" 2>/dev/null || echo 0)
   if [ "$size" -gt "$max" ]; then
     rm -f "$out/triton_kernels.tgz"
