@@ -120,12 +120,11 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, lo
     waits anyway. Other optimizers are stepped or not on the host's reading of the flag."""
     import torch
 
-    import grpo.model
     from grpo import master_weights
 
     if (weights := master_weights.of(policy)) is not None:  # one process without FSDP2: fp32 masters and grads in
         weights.to_master()
-    params = grpo.model.trainable_parameters(policy)
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # what it steps (no module walk)
     timer = StepTimer(params[0].device)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or 1e30)
     flag = finite_flag(grad_norm, losses)
