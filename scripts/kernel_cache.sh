@@ -27,7 +27,7 @@ save_library_kernels() {  # $1: the folder to write triton_kernels.tgz into
   local dirs; dirs=$(cd "$TRITON_CACHE_DIR" 2>/dev/null && for d in */; do
     [ -n "$(find "$d" -maxdepth 1 -name 'triton_*' -print -quit)" ] || echo "${d%/}"; done)
   # none compiled (no FLA in this call): no file, the call's 8 returned files stay for its logs
-  (cd "$TRITON_CACHE_DIR" && echo "$dirs" | xargs -r -I{} find {} -maxdepth 1 -name '*.cubin' | grep -q .) \
+  [ -n "$dirs" ] && [ -n "$(cd "$TRITON_CACHE_DIR" && find $dirs -maxdepth 1 -name '*.cubin' -print -quit)" ] \
     || return 0
   (cd "$TRITON_CACHE_DIR" && echo "$dirs" | tar czf "$out/triton_kernels.tgz" -T - 2>/dev/null) || return 0
   size=$(stat -c %s "$out/triton_kernels.tgz" 2>/dev/null || echo 0)

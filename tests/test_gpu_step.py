@@ -109,7 +109,7 @@ def test_a_step_waits_for_the_gpu_only_at_its_end(tiny_models):
 def sync_stacks():
     """Record the Python stack [(file name, line), ...] of every CUDA synchronisation under sync debug mode "warn"
     (the warning is shown while the synchronising call is still on the stack). Only c10's sync warning counts:
-    torch's other warnings (set_sync_debug_mode's own note that the mode is experimental among them) are not syncs."""
+    another warning mentioning synchronisation, raised on torch 2.11 while the mode is switched on, is not a sync."""
     stacks: list[list[tuple[str, int]]] = []
 
     def show(message, category, filename, lineno, file=None, line=None):
