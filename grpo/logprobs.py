@@ -42,9 +42,9 @@ def policy_token_logprobs(
     A `sampling_mask` row with no candidate at all (every entry -1) means "no mask reported for this position"
     and falls back to the full vocabulary there (e.g. vLLM dropping the mask under batch-sharded sampling).
 
-    Speed options, same values: `keep_logits_bytes` keeps the forward's [M, V] logits (in the matmul's dtype,
-    bit-identical to a recompute) for the backward when they take at most that many bytes, saving one of the
-    head's four matmuls; `fused` runs the full-vocabulary softmax passes of each chunk through torch.compile
+    Speed options, same values: `keep_logits_bytes` keeps the forward's logits (in the matmul's dtype,
+    bit-identical to a recompute) for the backward, as many whole chunks as fit in that many bytes (all M rows
+    when they fit), saving one of the head's four matmuls on the kept rows; `fused` runs the full-vocabulary softmax passes of each chunk through torch.compile
     (one or two kernels over the bf16 logits instead of ~8 fp32 [chunk, V] passes).
     """
     _check_inputs(hidden, lm_head_weight, targets, temperature, top_ids, sampling_mask, chunk_size)
@@ -52,8 +52,9 @@ def policy_token_logprobs(
     if top_ids is not None:
         index = torch.cat([index, top_ids.long()], dim=1)  # [M, 1 + K]
     support = None if sampling_mask is None else _unique_ids(sampling_mask.long())
-    keep = hidden.shape[0] * lm_head_weight.shape[0] * hidden.element_size() <= keep_logits_bytes
-    options = _HeadOptions(1.0 / temperature, chunk_size, keep, fused)
+    options = _HeadOptions(1.0 / temperature, chunk_size,
+                           _kept_rows(hidden.shape[0], lm_head_weight.shape[0] * hidden.element_size(), chunk_size,
+                                      keep_logits_bytes), fused)
     logprobs, entropy = _ChunkedLogprobs.apply(hidden, lm_head_weight, index, support, options)
     policy_top_logprobs = logprobs[:, 1:] if top_ids is not None else None
     return logprobs[:, 0], policy_top_logprobs, entropy
@@ -85,6 +86,14 @@ def naive_token_logprobs(
 
     top = gather(top_ids) if top_ids is not None else None
     return gather(targets.unsqueeze(1)).squeeze(1), top, entropy
+
+
+def _kept_rows(m: int, row_bytes: int, chunk_size: int, keep_logits_bytes: int) -> int:
+    """Rows whose forward logits the backward reads instead of recomputing: all M when they fit in
+    `keep_logits_bytes`, else the most whole chunks that do."""
+    if m * row_bytes <= keep_logits_bytes:
+        return m
+    return min(m, keep_logits_bytes // (row_bytes * chunk_size) * chunk_size)
 
 
 def _check_inputs(hidden, weight, targets, temperature, top_ids, sampling_mask, chunk_size) -> None:
@@ -146,7 +155,7 @@ def _chunk_forward(logits: Tensor, index: Tensor, support: Tensor | None) -> tup
 class _HeadOptions:
     inv_temperature: float
     chunk_size: int
-    keep_logits: bool
+    kept_rows: int  # the first rows (whole chunks) whose logits the forward keeps for the backward
     fused: bool
 
 
@@ -161,11 +170,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs = torch.empty(index.shape, dtype=out_dtype, device=hidden.device)  # [M, J]
         entropy = torch.empty(index.shape[0], dtype=out_dtype, device=hidden.device)  # [M]
         lse_used = torch.empty_like(entropy)
-        kept = (torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-                if options.keep_logits else None)  # [M, V]
+        kept = (torch.empty(options.kept_rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+                if options.kept_rows else None)  # [kept_rows, V]
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(hidden.shape[0], options.chunk_size):
-                raw = torch.mm(hidden[rows], compute_weight.T, out=None if kept is None else kept[rows])  # [c, V]
+                keep = rows.start < options.kept_rows
+                raw = torch.mm(hidden[rows], compute_weight.T, out=kept[rows] if keep else None)  # [c, V]
                 chunk_support = None if support is None else support[rows]
                 if options.fused and chunk_support is None:
                     logprobs[rows], entropy[rows], lse_used[rows] = _fused_forward()(raw, index[rows],
@@ -191,7 +201,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device) if need_weight else None
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(hidden.shape[0], options.chunk_size):
-                raw = kept[rows] if kept is not None else hidden[rows] @ compute_weight.T  # [c, V]
+                raw = kept[rows] if rows.start < options.kept_rows else hidden[rows] @ compute_weight.T  # [c, V]
                 chunk_support = None if support is None else support[rows]
                 if options.fused and chunk_support is None:
                     grad_logits = _fused_grad()(raw, index[rows], lse_used[rows], grad_logprobs[rows],

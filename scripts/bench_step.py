@@ -20,7 +20,8 @@ tok/s, MFU (grpo/flops.py: causal attention, head on trained tokens only, peak 9
 the breakdown of a step in ms: fwd, bwd (fwd+bwd - fwd), head (the chunked log-prob head alone, fwd+bwd, timed in
 isolation on the same shapes), opt (clip + AdamW), host (the rest of the step: batching, packing, copies), and
 two parts of host measured on the host's clock: plan (the batcher closing the micro-batch) and pack (`pack_samples`
-building the row, before its copy to the device).
+building the row, before its copy to the device). Below the table, on a GPU: the head timed again recomputing every
+chunk's logits in its backward (what keeping the forward's logits, up to 4 GiB, saves).
 """
 
 from __future__ import annotations
@@ -286,6 +287,7 @@ def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, 
     from grpo.step import policy_module
 
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else float("nan")
+    head = policy_module(policy)
     flops = training_flops(model.config, totals["forwarded"], totals["attended"], totals["head"])
     return {
         **case,
@@ -299,8 +301,10 @@ def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, 
         "checkpointed_layers": sum(bool(getattr(l, "gradient_checkpointing", False))
                                    for l in _layers(model)),
         "fwd_ms": 1e3 * totals["fwd"] / n, "bwd_ms": 1e3 * (totals["fwd_bwd"] - totals["fwd"]) / n,
-        "head_ms": head_ms(model, totals["head"] // n, policy_module(policy).keep_logits_bytes,
-                           policy_module(policy).fused_head), "opt_ms": 1e3 * totals["opt"] / n,
+        "head_ms": head_ms(model, totals["head"] // n, head.keep_logits_bytes, head.fused_head),
+        "head_recompute_ms": head_ms(model, totals["head"] // n, 0, head.fused_head) if head.keep_logits_bytes
+        else None,  # the same head recomputing every chunk's logits in its backward (what keeping saves)
+        "opt_ms": 1e3 * totals["opt"] / n,
         "host_ms": 1e3 * (totals["wall"] - totals["fwd_bwd"] - totals["opt"]) / n,
         "plan_ms": 1e3 * totals["plan"] / n, "pack_ms": 1e3 * totals["pack"] / n,
     }
@@ -399,6 +403,10 @@ def print_table(results: list[dict]) -> None:
                        if r.get("flops_per_trained") and plain.get("flops_per_trained") else "")
             print(f"tree / plain at ratio {ratio} ({sets}): {r['trained_tok_s'] / plain['trained_tok_s']:.2f}x "
                   f"trained tokens/s{ceiling}")
+    for r in results:
+        if r.get("head_recompute_ms") is not None and r["head_recompute_ms"] == r["head_recompute_ms"]:  # not NaN
+            print(f"head at ratio {r['ratio']} {r['mode']}: {r['head_ms']:.1f} ms with the kept logits, "
+                  f"{r['head_recompute_ms']:.1f} ms recomputing them all")
 
 
 def main() -> None:

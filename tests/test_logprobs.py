@@ -165,11 +165,12 @@ def test_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("use_mask", [False, True])
-@pytest.mark.parametrize("keep_logits_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("keep_logits_bytes", [0, 2 * 8 * V * 8 + 100, 1 << 30])  # none, 2 of 4 chunks, all
 @pytest.mark.parametrize("fused", [False, True])
 def test_speed_options_give_the_same_values_and_gradients(use_mask, keep_logits_bytes, fused, monkeypatch):
-    """Kept forward logits and the fused full-vocabulary passes change no value and no gradient (fused runs its
-    pure-function form eagerly here; the compiled form is the same function under torch.compile)."""
+    """Kept forward logits (all rows, or the whole chunks that fit) and the fused full-vocabulary passes change no
+    value and no gradient (fused runs its pure-function form eagerly here; the compiled form is the same function
+    under torch.compile)."""
     import grpo.logprobs as lp
 
     monkeypatch.setattr(lp, "_COMPILED", {"forward": lp.fused_forward_reference, "grad": lp.fused_grad_reference})
@@ -199,3 +200,37 @@ def test_fused_passes_compile_and_match_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lp._fused_grad()(raw, index, want[2], grad, 1 / 0.7),
                                lp.fused_grad_reference(raw, index, want[2], grad, 1 / 0.7), rtol=1e-5, atol=1e-5)
+
+
+def test_kept_rows_are_whole_chunks_within_the_budget():
+    """All rows when their logits fit, else the most whole chunks that do (so no chunk is half kept)."""
+    from grpo.logprobs import _kept_rows
+
+    assert _kept_rows(29, 10, 8, 290) == 29  # all fit
+    assert _kept_rows(29, 10, 8, 289) == 24  # 3 whole chunks of 8
+    assert _kept_rows(29, 10, 8, 79) == 0  # not even one chunk
+    assert _kept_rows(29, 10, 8, 0) == 0
+
+
+def test_partially_kept_logits_are_read_by_the_backward(monkeypatch):
+    """With 2 of 4 chunks kept, the backward recomputes the logits of the other two only: two fewer [c, V]
+    matmuls than without keeping (counted on the hidden @ weight.T products)."""
+    import grpo.logprobs as lp
+
+    hidden, weight, targets, top_ids, _ = _case()
+    counts = []
+    for keep in (0, 2 * 8 * V * 8):
+        calls = [0]
+        real_mm = torch.Tensor.__matmul__
+
+        def counting(a, b, calls=calls):
+            calls[0] += int(b.shape == (H, V))
+            return real_mm(a, b)
+
+        monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
+        h = hidden.detach().clone().requires_grad_()
+        out = lp.policy_token_logprobs(h, weight.detach(), targets, 1.0, top_ids, chunk_size=8, keep_logits_bytes=keep)
+        out[0].sum().backward()
+        monkeypatch.setattr(torch.Tensor, "__matmul__", real_mm)
+        counts.append(calls[0])
+    assert counts == [4, 2]
