@@ -170,28 +170,28 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs = torch.empty(index.shape, dtype=out_dtype, device=hidden.device)  # [M, J]
         entropy = torch.empty(index.shape[0], dtype=out_dtype, device=hidden.device)  # [M]
         lse_used = torch.empty_like(entropy)
-        kept = (torch.empty(options.kept_rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-                if options.kept_rows else None)  # [kept_rows, V]
+        kept = []  # [c, V] logits of the first chunks, one tensor each (see `_chunk_of`)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(hidden.shape[0], options.chunk_size):
-                keep = rows.start < options.kept_rows
-                raw = torch.mm(hidden[rows], compute_weight.T, out=kept[rows] if keep else None)  # [c, V]
+                raw = torch.mm(hidden[rows], compute_weight.T)  # [c, V]
+                if rows.start < options.kept_rows:
+                    kept.append(raw)
                 chunk_support = None if support is None else support[rows]
                 if options.fused and chunk_support is None:
-                    logprobs[rows], entropy[rows], lse_used[rows] = _fused_forward()(raw, index[rows],
+                    logprobs[rows], entropy[rows], lse_used[rows] = _fused_forward()(raw, _chunk_of(index, rows),
                                                                                       options.inv_temperature)
                 else:
                     logprobs[rows], entropy[rows], lse_used[rows], _ = _chunk_forward(
                         _tempered(raw, options.inv_temperature), index[rows], chunk_support)
-        ctx.save_for_backward(hidden, weight, index, support, lse_used, logprobs, kept)
-        ctx.options = options
+        ctx.save_for_backward(hidden, weight, index, support, lse_used, logprobs)
+        ctx.options, ctx.kept = options, kept  # created here, not inputs or outputs: kept as plain references
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, index, support, lse_used, logprobs, kept = ctx.saved_tensors
-        options = ctx.options
+        hidden, weight, index, support, lse_used, logprobs = ctx.saved_tensors
+        options, kept = ctx.options, ctx.kept
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # -inf outputs (padding, ids outside S_t) are constants: their incoming gradient is dropped.
         grad_logprobs = torch.where(torch.isfinite(logprobs), grad_logprobs.to(logprobs.dtype), 0.0)  # [M, J]
@@ -200,12 +200,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_dtype = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device) if need_weight else None
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-            for rows in _chunks(hidden.shape[0], options.chunk_size):
-                raw = kept[rows] if rows.start < options.kept_rows else hidden[rows] @ compute_weight.T  # [c, V]
+            for i, rows in enumerate(_chunks(hidden.shape[0], options.chunk_size)):
+                raw = kept[i] if i < len(kept) else hidden[rows] @ compute_weight.T  # [c, V]
                 chunk_support = None if support is None else support[rows]
                 if options.fused and chunk_support is None:
-                    grad_logits = _fused_grad()(raw, index[rows], lse_used[rows], grad_logprobs[rows],
-                                                options.inv_temperature)
+                    grad_logits = _fused_grad()(raw, _chunk_of(index, rows), _chunk_of(lse_used, rows),
+                                                _chunk_of(grad_logprobs, rows), options.inv_temperature)
                 else:
                     grad_logits = _chunk_grad_logits(_tempered(raw, options.inv_temperature), index[rows],
                                                      chunk_support, lse_used[rows], grad_logprobs[rows],
@@ -216,6 +216,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     _accumulate_weight_grad(grad_weight, grad_logits.T, hidden[rows])
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         return grad_hidden, grad_weight, None, None, None
+
+
+def _chunk_of(t: Tensor, rows: slice) -> Tensor:
+    """A chunk's rows of a small per-position tensor as a tensor of its own (no view, storage offset 0) for the
+    compiled passes: torch.compile guards on a view's base and specialises a storage offset of 0 against one >= 2,
+    so the views of different chunks compiled again and again, and with the kept logits' views as well the variants
+    passed its recompile limit (8) on an H200 (2026-12-04), beyond which it runs the passes eagerly. Each kept
+    chunk's logits are a tensor of their own for the same reason."""
+    return t[rows].clone()
 
 
 def _chunks(total: int, size: int):
