@@ -81,6 +81,7 @@ class TreeScanPlan:
     levels: list[LevelPlan]
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
     level_major: bool = False  # True when that concatenation is the row itself (unpermute is the identity)
+    order: torch.Tensor | None = None  # [N] packed position of each level-major slot: unpermute's inverse
 
     def to(self, device, packed: bool | None = None) -> TreeScanPlan:
         """The plan on `device`, every table in one copy (grpo/trie.py `to_device`); cu_seqlens_cpu stays."""
@@ -89,10 +90,11 @@ class TreeScanPlan:
         from grpo.trie import to_device
 
         level_fields = ("gather_index", "valid", "valid_index", "parent_slot", "flat_index", "cu_seqlens")
-        flat = [self.conv_index, self.conv_fix_index, self.unpermute]
+        heads = ("conv_index", "conv_fix_index", "unpermute") + (("order",) if self.order is not None else ())
+        flat = [getattr(self, name) for name in heads]
         flat += [getattr(level, name) for level in self.levels for name in level_fields]
         moved = iter(to_device(flat, device, packed))
-        head = {name: next(moved) for name in ("conv_index", "conv_fix_index", "unpermute")}
+        head = {name: next(moved) for name in heads}
         levels = [replace(level, **{name: next(moved) for name in level_fields}) for level in self.levels]
         return replace(self, levels=levels, **head)
 
@@ -162,7 +164,7 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
     conv_index = conv_index_table(token_pred, kernel_size)
     stops = [p.flat_range for p in plans]
     level_major = all(r is not None for r in stops) and [r[0] for r in stops] == [0] + [r[1] for r in stops[:-1]]
-    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order), level_major)
+    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order), level_major, order)
 
 
 def conv_fix_index(conv_index: torch.Tensor) -> torch.Tensor:
@@ -285,6 +287,22 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
+class _Permute(torch.autograd.Function):
+    """x[perm] along dim 0 for a permutation `perm` of x's rows, whose backward is the gather by its inverse: no
+    zero-filled gradient, no `index_add_` (index_select's backward: a scatter with atomic adds, which took 23 ms of
+    a Qwen3.5-2B tree step's backward on an H200, 2026-12-04)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
     """A padded-batch gated delta rule over a segment tree, one `chunk_rule` call per level.
 
@@ -305,24 +323,30 @@ def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: Tr
 
 def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
     """The same recurrence through a varlen kernel (FLA's `chunk_gated_delta_rule` with `cu_seqlens` and one
-    initial state per segment): one call per level, no padding, grouped q/k heads passed as they are.
+    initial state per segment): one call per level, no padding, grouped q/k heads passed as they are. The inputs are
+    put in level-major order once (each level then a slice; nothing to do when the row is in that order already)
+    and the output back in the row's, both as permutations (`_Permute`).
 
     query/key [N, H_k, D_k], value [N, H_v, D_v], g/beta [N, H_v]; returns [N, H_v, D_v].
     """
-    outputs, final_states = [], None
+    inputs = (query, key, value, g, beta)
+    if not plan.level_major:
+        order = plan.order if plan.order is not None else torch.cat([level.flat_index for level in plan.levels])
+        inputs = tuple(_Permute.apply(t, order, plan.unpermute) for t in inputs)
+    outputs, final_states, start = [], None, 0
     for level in plan.levels:
-        if level.flat_range is not None:  # the level's segments lie back to back in the row: a slice, no gather
-            start, stop = level.flat_range
-            q_l, k_l, v_l, g_l, beta_l = (t[start:stop].contiguous()[None] for t in (query, key, value, g, beta))
-        else:
-            q_l, k_l, v_l, g_l, beta_l = (_take(t, level.flat_index)[None] for t in (query, key, value, g, beta))
+        stop = start + int(level.cu_seqlens_cpu[-1])
+        q_l, k_l, v_l, g_l, beta_l = (t[start:stop].contiguous()[None] for t in inputs)  # a copy only for views
         initial_state = None if level.parent_slot is None else _take(final_states, level.parent_slot)  # [B, H, ..]
         out_l, final_states = varlen_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True,
                                           cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
         outputs.append(out_l.squeeze(0))  # [n_level, H, D_v] (squeeze: a view backward, not a zero-fill + copy)
+        start = stop
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, D_v] level-major
-    return out if plan.level_major else _take(out, plan.unpermute)  # [N, H, D_v]
+    if plan.level_major:
+        return out
+    return _Permute.apply(out, plan.unpermute, order)  # [N, H, D_v]
 
 
 def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> torch.Tensor:

@@ -504,6 +504,32 @@ def test_varlen_driver_equals_the_padded_one(kind, share):
         _assert_close_to_scale(got, want, name, tol=1e-12)
 
 
+def test_varlen_driver_backward_scatters_only_the_initial_states():
+    """The varlen driver's level-major permutations go back as gathers by the inverse permutation: in its backward
+    the only `index_add_` (a scatter with atomic adds on CUDA) are the initial-state takes of the non-root levels
+    (a parent's final state feeds several children), none for query, key, value, g, beta or the output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.index_adds = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.index_adds += func.overloadpacket in (torch.ops.aten.index_add, torch.ops.aten.index_add_)
+            return func(*args, **(kwargs or {}))
+
+    row = pack_samples([_sample(t) for t in multi_level(random.Random(3))], share_prefixes=True)
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+    assert not plan.level_major and len(plan.levels) >= 3
+    inputs, weights = _recurrence_inputs(row.num_tokens, seed=2)
+    xs = [x.clone().requires_grad_() for x in inputs]
+    out = tree_varlen_gated_delta_rule(_varlen_sequential_rule, *xs, plan)
+    with Count() as count:
+        torch.autograd.grad((out * weights).sum(), xs)
+    assert count.index_adds == len(plan.levels) - 1
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_compiled_tree_conv_equals_the_eager_one(seed, monkeypatch):
     """`tree_conv_formula` under torch.compile (aot_eager: dynamo + AOTAutograd tracing, dynamic shapes; inductor's
