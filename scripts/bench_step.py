@@ -4,6 +4,7 @@
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 1 --set compile_layers=false gradient_checkpointing=true
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_split_in_graph=false  # eager split vs op
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_cpp_wrapper=true  # kernels launched from C++
+    python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --modes tree --profile --trace /tmp/q06.json  # timeline
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
 
 Nothing here re-implements the step: the model is written to disk (random weights at a public shape) and loaded by
@@ -194,6 +195,8 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
         if profiler is not None:
             _PROFILED.append(True)
             _print_profile(profiler, f"{args.shape} ratio {ratio} {mode} {overrides or 'defaults'}", cuda)
+            if args.trace is not None:
+                _write_trace(profiler, args.trace)
     result = _case_result(case, totals, build_s, model, policy, info, args.steps)
     del model, policy, optimizer, scheduler
     gc.collect()
@@ -276,6 +279,18 @@ def _print_profile(profiler, label: str, cuda: bool) -> None:
     from profile_sites import print_op_sites
 
     print_op_sites(profiler, sort)
+
+
+def _write_trace(profiler, path: Path) -> None:
+    """The profiled steps as a chrome trace, gzipped to `path`.gz (the raw JSON is tens of MB)."""
+    import gzip
+    import shutil
+
+    profiler.export_chrome_trace(str(path))
+    with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    path.unlink()
+    print(f"TRACE {path}.gz ({Path(f'{path}.gz').stat().st_size / 2**20:.1f} MiB)", flush=True)
 
 
 def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, n: int) -> dict:
@@ -436,6 +451,9 @@ def main() -> None:
                    help="first compare the fast path's packed log-probs with per-sample forwards (bf16 on GPU)")
     p.add_argument("--skip-defaults", action="store_true", help="run only the --set variants")
     p.add_argument("--profile", action="store_true", help="print the top kernels of the first case's timed steps")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="with --profile: also write the profiled steps' timeline (host and GPU) as a gzipped "
+                        "chrome trace (chrome://tracing, ui.perfetto.dev) to this path + .gz")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     info = init_distributed()
