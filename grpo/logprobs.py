@@ -44,8 +44,9 @@ def policy_token_logprobs(
 
     Speed options, same values: `keep_logits_bytes` keeps the forward's logits (in the matmul's dtype,
     bit-identical to a recompute) for the backward, as many whole chunks as fit in that many bytes (all M rows
-    when they fit), saving one of the head's four matmuls on the kept rows; `fused` runs the full-vocabulary softmax passes of each chunk through torch.compile
-    (one or two kernels over the bf16 logits instead of ~8 fp32 [chunk, V] passes).
+    when they fit), saving one of the head's four matmuls on the kept rows; `fused` runs the full-vocabulary
+    softmax passes of each chunk through torch.compile (one or two kernels over the bf16 logits instead of ~8 fp32
+    [chunk, V] passes).
     """
     _check_inputs(hidden, lm_head_weight, targets, temperature, top_ids, sampling_mask, chunk_size)
     index = targets.long().unsqueeze(1)  # [M, 1]
