@@ -282,7 +282,8 @@ def _print_profile(profiler, label: str, cuda: bool) -> None:
 
 
 def _write_trace(profiler, path: Path) -> None:
-    """The profiled steps as a chrome trace, gzipped to `path`.gz (the raw JSON is tens of MB)."""
+    """The profiled steps as a chrome trace, gzipped to `path`.gz (the raw JSON is tens of MB), and what the host
+    ran while the GPU was idle in it (scripts/trace_gaps.py)."""
     import gzip
     import shutil
 
@@ -291,6 +292,9 @@ def _write_trace(profiler, path: Path) -> None:
         shutil.copyfileobj(raw, packed)
     path.unlink()
     print(f"TRACE {path}.gz ({Path(f'{path}.gz').stat().st_size / 2**20:.1f} MiB)", flush=True)
+    from trace_gaps import print_report
+
+    print_report(f"{path}.gz", top=20)  # what the host did while the GPU waited (the log keeps it without the file)
 
 
 def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, n: int) -> dict:
