@@ -177,9 +177,10 @@ def _split_backward(dout, q, k, v, out, lse, plan: SplitPlan, scale: float, aux,
         dq_b, dk_b, dv_b = bwd(dout.index_select(0, index), qb, kb, vb, out.index_select(0, index),
                                lse.index_select(1, index).contiguous(), plan.anc_cu_q, plan.anc_cu_k,
                                plan.anc_max_q, plan.anc_max_k, False, scale, aux_b)
-        dq = dq.index_add(0, index, dq_b.to(dq.dtype))  # each query once: no colliding adds
-        dk = dk.index_add(0, plan.anc_kv_index, dk_b.to(dk.dtype))
-        dv = dv.index_add(0, plan.anc_kv_index, dv_b.to(dv.dtype))
+        # in place: dq/dk/dv are the backward's own fresh tensors (no [N, H, D] copy each, per layer and step)
+        dq.index_add_(0, index, dq_b.to(dq.dtype))  # each query once: no colliding adds
+        dk.index_add_(0, plan.anc_kv_index, dk_b.to(dk.dtype))
+        dv.index_add_(0, plan.anc_kv_index, dv_b.to(dv.dtype))
     return dq, dk, dv
 
 
