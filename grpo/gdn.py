@@ -41,7 +41,6 @@ a row), and calls the original forward otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -49,8 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo.gdn_choice import (FLA_BAD_BACKWARD_TRITON, GdnKernels, choose_gdn_kernels,  # noqa: F401 (re-exported)
-                             fla_directions, gdn_kernels)
+from grpo.gdn_choice import (FLA_BAD_BACKWARD_TRITON, TRANSFORMERS_GDN_FUNCTIONS,  # noqa: F401 (re-exported)
+                             GdnKernels, choose_gdn_kernels, fla_directions, gdn_kernels, transformers_torch_reference)
 from grpo.gdn_kernel import (CHUNK, chunk_gated_delta_rule, compile_chunk_regions,  # noqa: F401 (re-exported)
                              sequential_gated_delta_rule, unit_lower_inverse)
 
@@ -80,8 +79,8 @@ class TreeScanPlan:
     conv_fix_index: torch.Tensor  # [M] rows whose conv window is not the contiguous one (`conv_fix_index`)
     levels: list[LevelPlan]
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
-    level_major: bool = False  # True when that concatenation is the row itself (unpermute is the identity)
-    order: torch.Tensor | None = None  # [N] packed position of each level-major slot: unpermute's inverse
+    order: torch.Tensor  # [N] packed position of each level-major slot: unpermute's inverse
+    level_major: bool = False  # True when that concatenation is the row itself (both are the identity)
 
     def to(self, device, packed: bool | None = None) -> TreeScanPlan:
         """The plan on `device`, every table in one copy (grpo/trie.py `to_device`); cu_seqlens_cpu stays."""
@@ -90,7 +89,7 @@ class TreeScanPlan:
         from grpo.trie import to_device
 
         level_fields = ("gather_index", "valid", "valid_index", "parent_slot", "flat_index", "cu_seqlens")
-        heads = ("conv_index", "conv_fix_index", "unpermute") + (("order",) if self.order is not None else ())
+        heads = ("conv_index", "conv_fix_index", "unpermute", "order")
         flat = [getattr(self, name) for name in heads]
         flat += [getattr(level, name) for level in self.levels for name in level_fields]
         moved = iter(to_device(flat, device, packed))
@@ -164,7 +163,7 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
     conv_index = conv_index_table(token_pred, kernel_size)
     stops = [p.flat_range for p in plans]
     level_major = all(r is not None for r in stops) and [r[0] for r in stops] == [0] + [r[1] for r in stops[:-1]]
-    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order), level_major, order)
+    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order), order, level_major)
 
 
 def conv_fix_index(conv_index: torch.Tensor) -> torch.Tensor:
@@ -331,8 +330,7 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: 
     """
     inputs = (query, key, value, g, beta)
     if not plan.level_major:
-        order = plan.order if plan.order is not None else torch.cat([level.flat_index for level in plan.levels])
-        inputs = tuple(_Permute.apply(t, order, plan.unpermute) for t in inputs)
+        inputs = tuple(_Permute.apply(t, plan.order, plan.unpermute) for t in inputs)
     outputs, final_states, start = [], None, 0
     for level in plan.levels:
         stop = start + int(level.cu_seqlens_cpu[-1])
@@ -346,7 +344,7 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: 
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, D_v] level-major
     if plan.level_major:
         return out
-    return _Permute.apply(out, plan.unpermute, order)  # [N, H, D_v]
+    return _Permute.apply(out, plan.unpermute, plan.order)  # [N, H, D_v]
 
 
 def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> torch.Tensor:
@@ -379,61 +377,6 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
         core_attn_out = tree_chunk_gated_delta_rule(chunk_gated_delta_rule, query, key, value, g, beta, plan)
     core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core_attn_out.reshape(1, n_tokens, -1))  # [1, N, hidden]
-
-
-TRANSFORMERS_GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                              "causal_conv1d_update")
-"""Module-level functions of transformers' GDN modelling files that it binds to FLA / causal-conv1d when those import."""
-
-
-@contextlib.contextmanager
-def transformers_torch_reference(model):
-    """Inside: `model`'s unpacked GDN layers (transformers' own forward) run transformers' torch functions, whatever
-    FLA / causal-conv1d binding it made at import (the function under each `TRANSFORMERS_GDN_FUNCTIONS` name of the
-    layers' modelling modules; restored on exit). For per-sample reference forwards that must not reach FLA (its
-    kernels autotune per length, and its gated backward is refused on some Triton/GPU pairs)."""
-    import sys
-
-    saved = []
-    for module in {sys.modules[type(m).__module__] for m in model.modules() if is_gdn_layer(m)}:
-        for name in TRANSFORMERS_GDN_FUNCTIONS:
-            bound = getattr(module, name, None)
-            torch_fn = _torch_function(bound) if bound is not None else None
-            if torch_fn is not None:
-                saved.append((module, name, bound))
-                setattr(module, name, _accepting(torch_fn))
-    try:
-        yield
-    finally:
-        for module, name, bound in saved:
-            setattr(module, name, bound)
-
-
-def _torch_function(bound):
-    """The torch function under transformers' kernel binding of it: a function wrapped with functools.wraps
-    (`__wrapped__`), possibly inside the `kernels` library's function module (its `forward` closes over it)."""
-    import inspect
-
-    candidates = [bound]
-    forward = getattr(type(bound), "forward", None) if isinstance(bound, torch.nn.Module) else None
-    candidates += [cell.cell_contents for cell in getattr(forward, "__closure__", None) or ()]
-    for candidate in candidates:
-        if callable(candidate) and hasattr(candidate, "__wrapped__"):
-            return inspect.unwrap(candidate)
-    return None
-
-
-def _accepting(fn):
-    """`fn` called with only the keyword arguments it takes (transformers' wrappers filter the same way)."""
-    import inspect
-
-    params = set(inspect.signature(fn).parameters)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
-
-    return call
 
 
 def is_gdn_layer(module) -> bool:

@@ -2,11 +2,13 @@
 kernel or this project's torch kernel, forward and backward judged separately from the installed Triton, the
 GPU's compute capability and, for an FLA backward under `auto`, a small probe. `choose_gdn_kernels` is the rule
 with its facts as inputs (tested on CPU); `gdn_kernels` reads this machine's facts, decides once per device and
-logs the choice (logger `grpo.gdn`, where the tree path logs too).
+logs the choice (logger `grpo.gdn`, where the tree path logs too). `transformers_torch_reference` is the other side
+of that choice: transformers' own torch GDN functions for unpacked reference forwards, whatever it bound to FLA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -345,3 +347,62 @@ def _check_once(rule, device: torch.device, heads: tuple[int, int, int, int], wi
         raise RuntimeError(f"{worst} is off by {errors[worst]:.3g} of its scale (tolerance {BACKWARD_CHECK_TOL}"
                            f"{'' if with_states else ', without initial states'})")
     return errors[worst]
+
+
+# ---- transformers' own torch GDN functions, for reference forwards that must not reach FLA ----------------------
+
+TRANSFORMERS_GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                              "causal_conv1d_update")
+"""Module-level functions of transformers' GDN modelling files that it binds to FLA / causal-conv1d when those import."""
+
+
+@contextlib.contextmanager
+def transformers_torch_reference(model):
+    """Inside: `model`'s unpacked GDN layers (transformers' own forward) run transformers' torch functions, whatever
+    FLA / causal-conv1d binding it made at import (the function under each `TRANSFORMERS_GDN_FUNCTIONS` name of the
+    layers' modelling modules; restored on exit). For per-sample reference forwards that must not reach FLA (its
+    kernels autotune per length, and its gated backward is refused on some Triton/GPU pairs)."""
+    import sys
+
+    from grpo.gdn import is_gdn_layer
+
+    saved = []
+    for module in {sys.modules[type(m).__module__] for m in model.modules() if is_gdn_layer(m)}:
+        for name in TRANSFORMERS_GDN_FUNCTIONS:
+            bound = getattr(module, name, None)
+            torch_fn = _torch_function(bound) if bound is not None else None
+            if torch_fn is not None:
+                saved.append((module, name, bound))
+                setattr(module, name, _accepting(torch_fn))
+    try:
+        yield
+    finally:
+        for module, name, bound in saved:
+            setattr(module, name, bound)
+
+
+def _torch_function(bound):
+    """The torch function under transformers' kernel binding of it: a function wrapped with functools.wraps
+    (`__wrapped__`), possibly inside the `kernels` library's function module (its `forward` closes over it)."""
+    import inspect
+
+    candidates = [bound]
+    forward = getattr(type(bound), "forward", None) if isinstance(bound, torch.nn.Module) else None
+    candidates += [cell.cell_contents for cell in getattr(forward, "__closure__", None) or ()]
+    for candidate in candidates:
+        if callable(candidate) and hasattr(candidate, "__wrapped__"):
+            return inspect.unwrap(candidate)
+    return None
+
+
+def _accepting(fn):
+    """`fn` called with only the keyword arguments it takes (transformers' wrappers filter the same way)."""
+    import inspect
+
+    params = set(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
