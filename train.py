@@ -13,6 +13,7 @@ config (registry names, `pkg.module:name`, the `lora_*` fields, `eval_dataset`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class Run:
     window: list = field(default_factory=list)  # step metrics since the last log
     nonfinite_in_a_row: int = 0
     sync_due: bool = False
+    step_end: float = 0.0  # perf_counter() when the last step was concluded
 
 
 def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls, peft_config,
@@ -148,30 +150,69 @@ def start_worker(run: Run, inputs, served_model: str, lora_name: str | None, bud
         run.stop_groups = config.epoch_prompts(len(inputs.dataset)) - state["prompt_index"]
 
 
-def train_step(run: Run, plans: list) -> tuple:
-    """Forward/backward every planned micro-batch, then the optimizer step: (micro-batch metrics, grad norm,
-    optimizer seconds, stepped). A non-finite loss or gradient norm skips the step (grpo/step.py)."""
+def queue_step(run: Run, plans: list, number: int, before_optimizer=None) -> tuple:
+    """Queue optimizer step `number` on the device without waiting for it: forward/backward of every planned
+    micro-batch, then the optimizer step: (micro-batch metrics, the queued optimizer step). `before_optimizer` runs
+    between the two: the previous step's `conclude`, whose verdict and learning-rate step this optimizer needs."""
     from grpo.advantages import apply_batch_transforms
-    from grpo.step import check_nonfinite, optimizer_step, train_micro_batch
-    from grpo.step_metrics import resolve_metrics
+    from grpo.step import queue_optimizer_step, train_micro_batch
 
     cfg, info = run.config, run.info
     # the per-step advantage hook: every sample of the step (all ranks' rows), the same on every rank
-    apply_batch_transforms(run.transforms, [s for p in plans for row in p.rows for s in row], run.step + 1)
+    apply_batch_transforms(run.transforms, [s for p in plans for row in p.rows for s in row], number)
     # the last step of the epochs may close fewer micro-batches: they are trained, normalised by their count
     micro = [train_micro_batch(run.policy, p.rows[info.rank], p, run.loss_fn, cfg.loss, info.world_size, len(plans),
                                run.autocast, cfg.max_completion_length, row_loss) for p in plans]
-    grad_norm, optimizer_s, stepped = optimizer_step(run.policy, run.optimizer, run.scheduler, cfg.max_grad_norm,
-                                                     [m["loss"] for m in micro])
+    if before_optimizer is not None:
+        before_optimizer()
+    return micro, queue_optimizer_step(run.policy, run.optimizer, cfg.max_grad_norm, [m["loss"] for m in micro])
+
+
+def finish_step(run: Run, micro: list, queued) -> tuple:
+    """Wait for a queued step: (micro-batch metrics, grad norm, optimizer seconds, stepped). A non-finite loss or
+    gradient norm skipped its optimizer step (grpo/step.py)."""
+    from grpo.step import check_nonfinite, finish_optimizer_step
+    from grpo.step_metrics import resolve_metrics
+
+    grad_norm, optimizer_s, stepped = finish_optimizer_step(queued, run.scheduler)
     micro = resolve_metrics(micro)
     run.step += 1
     run.nonfinite_in_a_row = check_nonfinite(stepped, run.step, micro, float(grad_norm), run.nonfinite_in_a_row,
-                                             cfg.max_nonfinite_steps_in_a_row)
+                                             run.config.max_nonfinite_steps_in_a_row)
     return micro, grad_norm, optimizer_s, stepped
 
 
-def after_step(run: Run, plans: list, trained: tuple, t_step: float) -> None:
-    """The weight sync when due, the worker told what was trained, the step's metrics, a log, a checkpoint."""
+def ends_in_barrier(run: Run, number: int) -> bool:
+    """Whether step `number` must finish before the next one is planned: a weight sync is due (the next step's
+    samples are checked for staleness against the synced version), a checkpoint, an evaluation, or the last step.
+    Between barriers the next step's planning, packing and forward are queued while this one's backward and
+    optimizer still run on the device, and this one is concluded (read back, logged) after that."""
+    from grpo.evaluation import eval_due
+
+    cfg = run.config
+    return (run.sync_due or number % cfg.weight_sync_steps == 0
+            or (cfg.save_strategy == "steps" and number % cfg.save_steps == 0)
+            or (run.eval_dataset is not None and eval_due(number, cfg.eval_steps))
+            or 0 < cfg.max_steps <= number)
+
+
+def hand_back(run: Run, plans: list) -> None:
+    """Rank 0 tells the worker what a step consumed (its run-ahead allowance and the trained groups)."""
+    if run.info.is_main:
+        samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
+        run.worker.set_allowance_from_step(sum(len(s) for s in samples))
+        run.worker.mark_trained(samples)
+
+
+def conclude(run: Run, queued_step: tuple) -> None:
+    """Finish a queued step (plans, micro, queued optimizer step, t_step, handed back) and do what follows it."""
+    plans, micro, queued, t_step, handed_back = queued_step
+    after_step(run, plans, finish_step(run, micro, queued), t_step, handed_back)
+
+
+def after_step(run: Run, plans: list, trained: tuple, t_step: float, handed_back: bool = False) -> None:
+    """The weight sync when due, the worker told what was trained (unless `hand_back` already did), the step's
+    metrics, a log, a checkpoint."""
     from grpo.evaluation import eval_due
     from grpo.ledger import record_prompts
     from grpo.step_metrics import log_window, step_summary
@@ -187,14 +228,19 @@ def after_step(run: Run, plans: list, trained: tuple, t_step: float) -> None:
         run.sync_due = False
     samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
     if info.is_main:
-        worker.set_allowance_from_step(sum(len(s) for s in samples))
+        if not handed_back:
+            worker.set_allowance_from_step(sum(len(s) for s in samples))
         worker.set_model_version(run.version)
-        worker.mark_trained(samples)
+        if not handed_back:
+            worker.mark_trained(samples)
         if run.eval_dataset is not None and eval_due(run.step, cfg.eval_steps):
             worker.request_eval(run.version)  # run by the worker at this version; training goes on
         record_prompts(cfg.output_dir, run.step, samples, run.state, worker.drain_drops())
-    step_metrics = step_summary(plans, samples, micro, info, time.perf_counter() - t_step, optimizer_s,
+    # a queued step's wall time starts where the previous one ended (its planning overlapped that one's backward)
+    now = time.perf_counter()
+    step_metrics = step_summary(plans, samples, micro, info, now - max(t_step, run.step_end), optimizer_s,
                                 sync_metrics, run.model.config, run.peak)
+    run.step_end = now
     run.num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
     step_metrics |= {"num_tokens": run.num_tokens, "grad_norm": float(grad_norm),
                      "perf/rollout_wait_s": worker.take_wait_s() if info.is_main else 0.0,
@@ -243,21 +289,40 @@ def wind_down(run: Run) -> dict | None:
     return worker.state_dict(run.batcher.pending()) if info.is_main and run.step > run.saved_step else None
 
 
+def train_loop(run: Run) -> None:
+    """Plan, queue and conclude steps until `max_steps` or the end of the epochs. A step that `ends_in_barrier` is
+    concluded at once; any other stays pending while the next step is planned and its forward/backward queued (the
+    host works ahead of the device), and is concluded just before that step's optimizer."""
+    from grpo.step_plan import plan_step
+
+    config, pending = run.config, None  # pending: a queued step whose device work may still run
+    while config.max_steps <= 0 or run.step + (pending is not None) < config.max_steps:
+        t_step = time.perf_counter()
+        plans = plan_step(run.worker, run.batcher, run.stop_groups, config.gradient_accumulation_steps, run.info)
+        if not plans:
+            break
+        number, previous, pending = run.step + 1 + (pending is not None), pending, None
+        micro, queued = queue_step(run, plans, number, previous and functools.partial(conclude, run, previous))
+        must_wait = ends_in_barrier(run, number)
+        if not must_wait:
+            hand_back(run, plans)
+        pending = (plans, micro, queued, t_step, not must_wait)
+        if must_wait:
+            conclude(run, pending)
+            pending = None
+    if pending is not None:
+        conclude(run, pending)
+
+
 def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=None, environment_factory=None,
          loop_cls=None, peft_config=None, eval_dataset=None) -> dict:
     """Build, train until `max_steps` or the end of the epochs, save the final model; {"step", "model_version",
     "output_dir"}."""
     from grpo.distributed import barrier
-    from grpo.step_plan import plan_step
 
     run = build(config, reward_funcs, train_dataset, tools, environment_factory, loop_cls, peft_config, eval_dataset)
     try:
-        while config.max_steps <= 0 or run.step < config.max_steps:
-            t_step = time.perf_counter()
-            plans = plan_step(run.worker, run.batcher, run.stop_groups, config.gradient_accumulation_steps, run.info)
-            if not plans:
-                break
-            after_step(run, plans, train_step(run, plans), t_step)
+        train_loop(run)
         final_state = wind_down(run)
     finally:
         if run.worker is not None:

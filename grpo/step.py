@@ -9,6 +9,8 @@ starts from, used as it is by the benches and the tests.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from grpo.step_metrics import StepTimer
 from grpo.step_plan import StepPlan
@@ -110,14 +112,24 @@ def finite_flag(grad_norm, losses):
     return flag
 
 
-def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, losses=()) -> tuple:
-    """Clip, step, zero: (grad_norm before clipping, seconds, stepped). A non-finite loss or gradient norm skips
-    the optimizer and the scheduler (their state and the weights stay as they were) and drops the gradients.
+@dataclass
+class QueuedOptimizerStep:
+    """An optimizer step the host has queued and not yet read back: the gradient norm and the finite verdict as
+    device tensors, the timer of its GPU work."""
+
+    grad_norm: Any
+    flag: Any  # int32 [1] on the device: 1 when the loss and gradient norm were finite on every rank
+    timer: StepTimer
+
+
+def queue_optimizer_step(policy, optimizer, max_grad_norm: float | None, losses=()) -> QueuedOptimizerStep:
+    """Clip, step, zero, without waiting for the GPU (`finish_optimizer_step` reads the verdict). A non-finite
+    loss or gradient norm skips the optimizer (its state and the weights stay as they were) and drops the gradients.
 
     A fused AdamW (`build_optimizer`'s) gets the verdict as a device tensor (`found_inf`, the flag GradScaler
     uses): its kernel leaves weights, moments and step counts alone when it is 1, so the host queues the
-    optimizer behind the backward without waiting for it, and reads the verdict at the step's end, where it
-    waits anyway. Other optimizers are stepped or not on the host's reading of the flag."""
+    optimizer behind the backward without waiting for it. Other optimizers are stepped or not on the host's
+    reading of the flag (a wait for the backward)."""
     import torch
 
     from grpo import master_weights
@@ -138,11 +150,23 @@ def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, lo
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     timer.mark()
-    seconds = timer.seconds()[0]  # waits for the step's GPU work: the end of a step is a sync point
-    stepped = bool(flag.item())
+    return QueuedOptimizerStep(grad_norm, flag, timer)
+
+
+def finish_optimizer_step(queued: QueuedOptimizerStep, scheduler) -> tuple:
+    """(grad_norm before clipping, seconds, stepped) of a queued step, waiting for its GPU work; the scheduler
+    steps only when the optimizer did. It must run before the next step's optimizer (that step's learning rate)."""
+    seconds = queued.timer.seconds()[0]
+    stepped = bool(queued.flag.item())
     if stepped:
         scheduler.step()
-    return grad_norm, seconds, stepped
+    return queued.grad_norm, seconds, stepped
+
+
+def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, losses=()) -> tuple:
+    """Clip, step, zero and wait for it: (grad_norm before clipping, seconds, stepped). `queue_optimizer_step`
+    then `finish_optimizer_step`."""
+    return finish_optimizer_step(queue_optimizer_step(policy, optimizer, max_grad_norm, losses), scheduler)
 
 
 def check_nonfinite(stepped: bool, step: int, micro: list[dict], grad_norm: float, in_a_row: int,

@@ -125,9 +125,10 @@ def to_device(tensors: list[torch.Tensor | None], device, packed: bool | None = 
         layout.append(None if t is None else (offset, nbytes, t.dtype, tuple(t.shape)))
         offset += -(-nbytes // 16) * 16  # 16-byte aligned views for every dtype
     buf = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staging = buf.numpy()  # numpy's copies are one plain memcpy each, on this thread (no intra-op thread pool)
     for t, place in zip(tensors, layout):
         if place is not None and place[1]:
-            buf[place[0]:place[0] + place[1]] = t.contiguous().view(-1).view(torch.uint8)
+            staging[place[0]:place[0] + place[1]] = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
     buf = buf.to(device, non_blocking=True)
     return [None if place is None else buf[place[0]:place[0] + place[1]].view(place[2]).view(place[3])
             for place in layout]

@@ -5,13 +5,15 @@
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_split_in_graph=false  # eager split vs op
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_cpp_wrapper=true  # kernels launched from C++
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --modes tree --profile --trace /tmp/q06.json  # timeline
+    python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --sync-every 1  # each step read back before the next
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
 
 Nothing here re-implements the step: the model is written to disk (random weights at a public shape) and loaded by
 `build_policy` in grpo/policy.py (from_pretrained, dropout off, regional compile, FSDP2 mixed precision,
 gradient-checkpointing policy, fused AdamW), micro-batches come from the real `TokenBudgetBatcher` fed with
-synthetic groups, and each step is `train_micro_batch` + `optimizer_step` (grpo/step.py) with the run's default
-loss. Workloads (bench_packing's): groups of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4`
+synthetic groups, and each step is `train_micro_batch` + `queue_optimizer_step` (grpo/step.py) with the run's
+default loss, queued and concluded as train.py's loop does: between barriers (`--sync-every`) the next step is
+planned, packed and its forward queued before the previous one is read back. Workloads (bench_packing's): groups of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4`
 shares each group's prompt (trie packing ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to
 share). Mode `plain` packs the same samples without prefix sharing (the baseline the trie is measured against; a
 bench-only switch).
@@ -19,7 +21,8 @@ bench-only switch).
 Columns: trained tok/s (completion tokens trained per second: the comparable number across modes), forwarded
 tok/s, MFU (grpo/flops.py: causal attention, head on trained tokens only, peak 989 TFLOP/s bf16), peak GiB, and
 the breakdown of a step in ms: fwd, bwd (fwd+bwd - fwd), head (the chunked log-prob head alone, fwd+bwd, timed in
-isolation on the same shapes), opt (clip + AdamW), host (the rest of the step: batching, packing, copies), and
+isolation on the same shapes), opt (clip + AdamW), host (the rest of the step's wall time: batching, packing,
+copies; with steps queued ahead it overlaps the device's work, and is near 0 when the device never waits), and
 two parts of host measured on the host's clock: plan (the batcher closing the micro-batch) and pack (`pack_samples`
 building the row, before its copy to the device). Below the table, on a GPU: the head timed again recomputing every
 chunk's logits in its backward (what keeping the forward's logits, up to 4 GiB, saves).
@@ -174,7 +177,8 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
     cuda = info.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    case = {"shape": args.shape, "ratio": ratio, "mode": mode, "overrides": overrides, "ranks": info.world_size}
+    case = {"shape": args.shape, "ratio": ratio, "mode": mode, "overrides": overrides, "ranks": info.world_size,
+            "sync_every": args.sync_every}
     with contextlib.ExitStack() as stack:
         if mode == "plain":
             stack.enter_context(plain_packing())
@@ -215,10 +219,9 @@ def _ready_samples(vocab: int, ratio: float, top_k: int, args):
 
 
 def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: int) -> dict:
-    """`warmup` + `--steps` trainer steps (two more under `profiler` when given, after the timed ones); sums over
-    the timed steps: tokens (trained, forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, wall)."""
-    import torch
-
+    """`warmup` + `--steps` trainer steps (two more under `profiler` when given, after the timed ones), queued and
+    concluded as train.py's loop does (`_queue_step`, `_conclude`); sums over the timed steps: tokens (trained,
+    forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, wall, plan, pack)."""
     from grpo.batcher import TokenBudgetBatcher
     from grpo.losses import loss_function
 
@@ -226,50 +229,62 @@ def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: i
     batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
     totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0,
                   plan=0.0, pack=0.0)
-    packs: list[float] = []
-    for step in range(warmup + args.steps + (2 if profiler is not None else 0)):
+    clock = {"end": time.perf_counter()}  # when the last step was concluded
+    n_steps, pending = warmup + args.steps + (2 if profiler is not None else 0), None
+    for step in range(n_steps):
         if step == warmup + args.steps:  # two extra steps under the profiler, after the timed ones
             profiler.__enter__()
-        t0, packed_before = time.perf_counter(), len(packs)
-        with timed_packing(packs):
-            plan, m, opt_s = _train_step(trainer, config, loss_fn, batcher, source, info)
-        if info.device.type == "cuda":
-            torch.cuda.synchronize()
-        kind = "warm-up" if step < warmup else "timed" if step < warmup + args.steps else "profiled"
-        print(f"  step {step} ({kind}): {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
-        if step < warmup or step >= warmup + args.steps:
-            continue
-        totals["wall"] += time.perf_counter() - t0
-        totals["trained"] += plan.trained_tokens
-        totals["raw"] += sum(len(s) for r in plan.rows for s in r)
-        totals["forwarded"] += m["_forwarded"]
-        totals["attended"] += m["_attended_keys"]
-        totals["head"] += m["_head_tokens"]
-        totals["fwd"] += m["perf/fwd_s"]
-        totals["fwd_bwd"] += m["perf/fwd_bwd_s"]
-        totals["opt"] += opt_s
-        totals["plan"] += m["_plan_s"]
-        totals["pack"] += sum(packs[packed_before:])
+        previous = pending
+        pending = _queue_step(trainer, config, loss_fn, batcher, source, info, step,
+                              lambda: previous and _conclude(trainer, previous, warmup, args, totals, clock))
+        # a barrier (train.py: a weight sync, a checkpoint, the last step): concluded now, before the next plan
+        if step == n_steps - 1 or (args.sync_every and (step + 1) % args.sync_every == 0):
+            _conclude(trainer, pending, warmup, args, totals, clock)
+            pending = None
     if profiler is not None:
         profiler.__exit__(None, None, None)
     return totals
 
 
-def _train_step(trainer: tuple, config, loss_fn, batcher, source, info):
-    """One step as train.py runs it: rank 0 plans the micro-batch and broadcasts it, every rank trains its row,
-    then the optimizer step. Returns (plan, resolved step metrics, optimizer seconds)."""
+def _queue_step(trainer: tuple, config, loss_fn, batcher, source, info, step: int, before_optimizer) -> dict:
+    """One step as train.py's `queue_step` runs it: rank 0 plans the micro-batch and broadcasts it, every rank
+    queues its row's forward/backward, `before_optimizer` (the previous step's conclusion), then the optimizer."""
     from grpo.distributed import broadcast_object
-    from grpo.step import optimizer_step, train_micro_batch
-    from grpo.step_metrics import resolve_metrics
+    from grpo.step import queue_optimizer_step, train_micro_batch
 
     policy, optimizer, scheduler, autocast = trainer
+    packs: list[float] = []
     t0 = time.perf_counter()
     plan = broadcast_object(next_plan(batcher, source) if info.is_main else None, info)
     plan_s = time.perf_counter() - t0
-    m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
-                          autocast, config.max_completion_length)
-    _, opt_s, _ = optimizer_step(policy, optimizer, scheduler, config.max_grad_norm)
-    return plan, resolve_metrics([m])[0] | {"_plan_s": plan_s}, opt_s
+    with timed_packing(packs):
+        m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
+                              autocast, config.max_completion_length)
+    before_optimizer()
+    queued = queue_optimizer_step(policy, optimizer, config.max_grad_norm, [m["loss"]])
+    return dict(step=step, t0=t0, plan=plan, plan_s=plan_s, pack_s=sum(packs), micro=m, queued=queued)
+
+
+def _conclude(trainer: tuple, queued: dict, warmup: int, args, totals: dict, clock: dict) -> None:
+    """Wait for a queued step, print its wall time (from the previous step's conclusion, or its own planning if
+    later) and add a timed step's figures to `totals`."""
+    from grpo.step import finish_optimizer_step
+    from grpo.step_metrics import resolve_metrics
+
+    _, opt_s, _ = finish_optimizer_step(queued["queued"], trainer[2])
+    m = resolve_metrics([queued["micro"]])[0]
+    now = time.perf_counter()
+    wall, clock["end"] = now - max(queued["t0"], clock["end"]), now
+    step, plan = queued["step"], queued["plan"]
+    kind = "warm-up" if step < warmup else "timed" if step < warmup + args.steps else "profiled"
+    print(f"  step {step} ({kind}): {wall:.2f} s", file=sys.stderr, flush=True)
+    if kind != "timed":
+        return
+    for key, value in (("wall", wall), ("trained", plan.trained_tokens), ("forwarded", m["_forwarded"]),
+                       ("raw", sum(len(s) for r in plan.rows for s in r)), ("attended", m["_attended_keys"]),
+                       ("head", m["_head_tokens"]), ("fwd", m["perf/fwd_s"]), ("fwd_bwd", m["perf/fwd_bwd_s"]),
+                       ("opt", opt_s), ("plan", queued["plan_s"]), ("pack", queued["pack_s"])):
+        totals[key] += value
 
 
 def _print_profile(profiler, label: str, cuda: bool) -> None:
@@ -414,6 +429,11 @@ def print_table(results: list[dict]) -> None:
               f"{r['trained_tok_s']:>10.0f} {r['forwarded_tok_s']:>10.0f} {mfu_s:>6} {r['peak_gib']:>8.1f} "
               f"{r['checkpointed_layers']:>4} {r['fwd_ms']:>7.0f} {r['bwd_ms']:>7.0f} {r['head_ms']:>7.0f} "
               f"{r['opt_ms']:>6.0f} {r['host_ms']:>6.0f} {r['plan_ms']:>5.1f} {r['pack_ms']:>5.1f}")
+    every = results[0].get("sync_every", 0) if results else 0
+    print("steps: " + ("each concluded before the next was planned (--sync-every 1: train.py with weight_sync_steps "
+                       "1, without the sync itself)" if every == 1 else
+                       "the next one planned, packed and its forward queued while the previous one's backward ran "
+                       f"(train.py between weight syncs; a barrier every {every or 'no'} steps)"))
     by_key = {(r["ratio"], r["mode"], json.dumps(r["overrides"])): r for r in results}
     for (ratio, mode, sets), r in by_key.items():
         plain = by_key.get((ratio, "plain", sets))
@@ -446,6 +466,11 @@ def main() -> None:
                    help="extra warm-up steps for the process's first case (measured on an H200: its steps kept "
                         "speeding up for ~5 steps, the later cases' after one, so without these the first case, "
                         "the defaults, read 5-20 %% slow against the variants)")
+    p.add_argument("--sync-every", type=int, default=0, metavar="K",
+                   help="conclude every K-th step before planning the next (train.py's barrier: a weight sync with "
+                        "weight_sync_steps K, a checkpoint); 1 = every step, 0 (default) = only the last. Between "
+                        "barriers the next step's planning, packing and forward are queued while the previous "
+                        "step's backward and optimizer run (train.py between weight syncs)")
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--prompt-len", type=int, default=1068, help="tokens per prompt of the synthetic groups")
     p.add_argument("--completion-len", type=int, default=256, help="tokens per completion of the synthetic groups")

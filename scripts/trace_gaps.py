@@ -62,28 +62,38 @@ def _overlap(start: float, end: float, gaps: list[tuple[float, float]], gap_star
     return total
 
 
-def _self_segments(thread_events: list[dict]):
-    """(name, start, end) pieces of each event not covered by its children (events nested by time on one thread)."""
+def _nested(thread_events: list[dict]) -> list[tuple[str, float, float, int]]:
+    """(name, start, end, parent index) of one thread's events, each clipped to its parent's end. The profiler's
+    Python tracer leaves some calls unclosed (an autograd Function's `apply` that ends "at the end of the trace"),
+    and without the clipping such a call would swallow every later event as its child."""
     ordered = sorted(thread_events, key=lambda e: (e["ts"], -e["dur"]))
-    stack: list[tuple[dict, list[tuple[float, float]]]] = []  # (event, its children's spans)
+    out: list[tuple[str, float, float, int]] = []
+    stack: list[int] = []  # indices into out, ends non-increasing from bottom to top
+    for event in ordered:
+        start = event["ts"]
+        while stack and start >= out[stack[-1]][2]:
+            stack.pop()
+        parent = stack[-1] if stack else -1
+        end = start + event["dur"] if parent < 0 else min(start + event["dur"], out[parent][2])
+        out.append((event["name"], start, end, parent))
+        stack.append(len(out) - 1)
+    return out
 
-    def close(event, children):
-        cursor, end = event["ts"], event["ts"] + event["dur"]
-        for c_start, c_end in children:
+
+def _self_segments(nested: list[tuple[str, float, float, int]]):
+    """(name, start, end) pieces of each nested event not covered by its children."""
+    children: dict = defaultdict(list)
+    for name, start, end, parent in nested:
+        if parent >= 0:
+            children[parent].append((start, end))
+    for i, (name, start, end, _) in enumerate(nested):
+        cursor = start
+        for c_start, c_end in children.get(i, ()):
             if c_start > cursor:
-                yield event["name"], cursor, c_start
+                yield name, cursor, c_start
             cursor = max(cursor, c_end)
         if end > cursor:
-            yield event["name"], cursor, end
-
-    for event in ordered:
-        while stack and event["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
-            yield from close(*stack.pop())
-        if stack:
-            stack[-1][1].append((event["ts"], event["ts"] + event["dur"]))
-        stack.append((event, []))
-    while stack:
-        yield from close(*stack.pop())
+            yield name, cursor, end
 
 
 def host_time_in_gaps(events: list[dict], gaps: list[tuple[float, float]],
@@ -98,11 +108,12 @@ def host_time_in_gaps(events: list[dict], gaps: list[tuple[float, float]],
     gap_starts = [a for a, _ in gaps]
     own, inclusive = Counter(), Counter()
     for thread_events in by_thread.values():
-        for name, start, end in _self_segments(thread_events):
+        nested = _nested(thread_events)
+        for name, start, end in _self_segments(nested):
             own[name] += _overlap(start, end, gaps, gap_starts)
         spans: dict = defaultdict(list)
-        for e in thread_events:
-            spans[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
+        for name, start, end, _ in nested:
+            spans[name].append((start, end))
         for name, intervals in spans.items():
             for start, end in _union(intervals):
                 inclusive[name] += _overlap(start, end, gaps, gap_starts)

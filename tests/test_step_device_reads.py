@@ -93,10 +93,11 @@ def test_a_micro_batch_reads_nothing_from_the_device(tiny_models, monkeypatch, k
     assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
 
 
-def test_optimizer_step_reads_the_device_only_at_its_end(monkeypatch):
-    """`optimizer_step` on fake CUDA tensors (FakeTensorMode: no GPU needed; a read of device data raises there):
-    clipping, the non-finite verdict and the fused AdamW step queue without a device read or a copy between
-    devices; the first read is the verdict's `.item()` at the step's end."""
+def test_optimizer_step_is_queued_without_a_device_read(monkeypatch):
+    """`queue_optimizer_step` on fake CUDA tensors (FakeTensorMode: no GPU needed; a read of device data raises
+    there): clipping, the non-finite verdict and the fused AdamW step queue without a device read or a copy between
+    devices, so train.py's loop can plan the next step while this one runs; the first read is the verdict's
+    `.item()` in `finish_optimizer_step`."""
     import inspect
 
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -105,8 +106,8 @@ def test_optimizer_step_reads_the_device_only_at_its_end(monkeypatch):
     from grpo.step_metrics import StepTimer
 
     monkeypatch.setattr(step, "StepTimer", lambda device: StepTimer(torch.device("cpu")))  # no CUDA events here
-    source, start = inspect.getsourcelines(step.optimizer_step)
-    end_read = start + next(i for i, line in enumerate(source) if "stepped = bool(flag.item())" in line)
+    source, start = inspect.getsourcelines(step.finish_optimizer_step)
+    end_read = start + next(i for i, line in enumerate(source) if "stepped = bool(queued.flag.item())" in line)
     with FakeTensorMode(allow_non_fake_inputs=True):
         policy = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(8, 8, device="cuda")),
                                          torch.nn.Parameter(torch.zeros(8, device="cuda"))])
@@ -115,8 +116,10 @@ def test_optimizer_step_reads_the_device_only_at_its_end(monkeypatch):
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         copies = CrossDeviceCopies()
+        with copies:
+            queued = step.queue_optimizer_step(policy, optimizer, 1.0, [torch.ones((), device="cuda")])
         with copies, pytest.raises(DataDependentOutputException) as read:
-            step.optimizer_step(policy, optimizer, scheduler, 1.0, [torch.ones((), device="cuda")])
+            step.finish_optimizer_step(queued, scheduler)
     frames = [(f.filename, f.lineno) for f in traceback.extract_tb(read.tb)]
     assert (step.__file__, end_read) in frames, frames
     assert copies.seen == []

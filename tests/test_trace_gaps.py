@@ -55,6 +55,23 @@ def test_self_and_inclusive_time_inside_the_gaps():
     assert "other thread" not in own and "other thread" not in inclusive
 
 
+def test_an_unclosed_call_is_clipped_to_its_parent():
+    """The profiler's Python tracer can leave a call unclosed (its end at the trace's end): it must not swallow the
+    later frames as its children, nor count the rest of the trace as its own time."""
+    events = [
+        _x("cuda_runtime", "cudaLaunchKernel", 5, 3),
+        _x("python_function", "layer 1", 100, 40), _x("python_function", "apply", 110, 10_000),  # unclosed
+        _x("python_function", "between layers", 140, 20),
+        _x("python_function", "layer 2", 160, 40), _x("python_function", "apply", 170, 10_000),  # unclosed
+    ]
+    own, inclusive = trace_gaps.host_time_in_gaps(events, [(100, 200)])
+    assert own["between layers"] == pytest.approx(20)
+    assert own["apply"] == pytest.approx(30 + 30)  # 110-140 and 170-200: clipped at each layer's end
+    assert own["layer 1"] == pytest.approx(10) and own["layer 2"] == pytest.approx(10)
+    assert sum(own.values()) == pytest.approx(100)
+    assert inclusive["apply"] == pytest.approx(60)
+
+
 def test_report_reads_a_gzipped_trace(tmp_path, capsys):
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:

@@ -181,7 +181,7 @@ def test_to_device_packs_every_field_into_one_buffer_and_back():
 
     row = pack_samples(random_row_samples(random.Random(7), "multi_turn"))
     odd = [torch.tensor([True, False, True]), torch.zeros(0, 3), torch.randn(2, 2, dtype=torch.float64)[:, 0],
-           torch.tensor(3.5), None]
+           torch.tensor(3.5), torch.randn(5, dtype=torch.bfloat16), torch.randn(4, requires_grad=True), None]
     tensors = [v for v in vars(row).values() if isinstance(v, torch.Tensor)] + odd
     moved = to_device(tensors, "cpu", packed=True)
     storages = {t.untyped_storage().data_ptr() for t in moved if t is not None}
