@@ -221,7 +221,11 @@ def _ready_samples(vocab: int, ratio: float, top_k: int, args):
 def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: int) -> dict:
     """`warmup` + `--steps` trainer steps (two more under `profiler` when given, after the timed ones), queued and
     concluded as train.py's loop does (`_queue_step`, `_conclude`); sums over the timed steps: tokens (trained,
-    forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, wall, plan, pack)."""
+    forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, plan, pack), and their wall time.
+
+    The timed steps' wall time runs from a device with nothing queued (the last warm-up step concluded) to the
+    last timed step's conclusion: a step queued ahead is concluded when the host gets to it, not when the device
+    finishes it, so only the whole span is a wall time (with one unoverlapped planning and forward at its start)."""
     from grpo.batcher import TokenBudgetBatcher
     from grpo.losses import loss_function
 
@@ -230,17 +234,23 @@ def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: i
     totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0,
                   plan=0.0, pack=0.0)
     clock = {"end": time.perf_counter()}  # when the last step was concluded
+    timed = range(warmup, warmup + args.steps)
     n_steps, pending = warmup + args.steps + (2 if profiler is not None else 0), None
     for step in range(n_steps):
         if step == warmup + args.steps:  # two extra steps under the profiler, after the timed ones
             profiler.__enter__()
+        if step == timed.start:
+            clock["timed"] = time.perf_counter()
         previous = pending
         pending = _queue_step(trainer, config, loss_fn, batcher, source, info, step,
                               lambda: previous and _conclude(trainer, previous, warmup, args, totals, clock))
         # a barrier (train.py: a weight sync, a checkpoint, the last step): concluded now, before the next plan
-        if step == n_steps - 1 or (args.sync_every and (step + 1) % args.sync_every == 0):
+        if (step in (timed.start - 1, timed.stop - 1, n_steps - 1)
+                or (args.sync_every and (step + 1) % args.sync_every == 0)):
             _conclude(trainer, pending, warmup, args, totals, clock)
             pending = None
+        if step == timed.stop - 1:
+            totals["wall"] = clock["end"] - clock["timed"]
     if profiler is not None:
         profiler.__exit__(None, None, None)
     return totals
@@ -267,7 +277,7 @@ def _queue_step(trainer: tuple, config, loss_fn, batcher, source, info, step: in
 
 def _conclude(trainer: tuple, queued: dict, warmup: int, args, totals: dict, clock: dict) -> None:
     """Wait for a queued step, print its wall time (from the previous step's conclusion, or its own planning if
-    later) and add a timed step's figures to `totals`."""
+    later: between barriers, a step's share of the span) and add a timed step's figures to `totals`."""
     from grpo.step import finish_optimizer_step
     from grpo.step_metrics import resolve_metrics
 
@@ -280,7 +290,7 @@ def _conclude(trainer: tuple, queued: dict, warmup: int, args, totals: dict, clo
     print(f"  step {step} ({kind}): {wall:.2f} s", file=sys.stderr, flush=True)
     if kind != "timed":
         return
-    for key, value in (("wall", wall), ("trained", plan.trained_tokens), ("forwarded", m["_forwarded"]),
+    for key, value in (("trained", plan.trained_tokens), ("forwarded", m["_forwarded"]),
                        ("raw", sum(len(s) for r in plan.rows for s in r)), ("attended", m["_attended_keys"]),
                        ("head", m["_head_tokens"]), ("fwd", m["perf/fwd_s"]), ("fwd_bwd", m["perf/fwd_bwd_s"]),
                        ("opt", opt_s), ("plan", queued["plan_s"]), ("pack", queued["pack_s"])):
