@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.step_metrics import StepTimer
+from grpo.step_metrics import StepTimer, stage_metrics, to_host_async
 from grpo.step_plan import StepPlan
 
 log = logging.getLogger("train")
@@ -83,9 +83,10 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, wo
     loss.backward()
     if (weights := master_weights.of(policy)) is not None:  # one process without FSDP2: bf16 grads into fp32
         weights.accumulate()
+    metrics = stage_metrics(metrics | {"loss": loss.detach() * grad_accum})  # read back after the timer's end
     timer.mark()
-    return metrics | {"loss": loss.detach() * grad_accum, "_timer": timer, "_forwarded": row.num_tokens,
-                      "_attended_keys": row.attention_cost, "_head_tokens": row.num_loss_terms}
+    return metrics | {"_timer": timer, "_forwarded": row.num_tokens, "_attended_keys": row.attention_cost,
+                      "_head_tokens": row.num_loss_terms}
 
 
 def policy_module(policy):
@@ -120,6 +121,7 @@ class QueuedOptimizerStep:
     grad_norm: Any
     flag: Any  # int32 [1] on the device: 1 when the loss and gradient norm were finite on every rank
     timer: StepTimer
+    on_host: Any  # [grad norm, flag] as float32, their host copy queued before the timer's end (`to_host_async`)
 
 
 def queue_optimizer_step(policy, optimizer, max_grad_norm: float | None, losses=()) -> QueuedOptimizerStep:
@@ -149,18 +151,22 @@ def queue_optimizer_step(policy, optimizer, max_grad_norm: float | None, losses=
     elif bool(flag.item()):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    on_host = to_host_async(torch.stack([norm.detach().float().reshape(()), flag.float().reshape(())]))
     timer.mark()
-    return QueuedOptimizerStep(grad_norm, flag, timer)
+    return QueuedOptimizerStep(grad_norm, flag, timer, on_host)
 
 
 def finish_optimizer_step(queued: QueuedOptimizerStep, scheduler) -> tuple:
-    """(grad_norm before clipping, seconds, stepped) of a queued step, waiting for its GPU work; the scheduler
-    steps only when the optimizer did. It must run before the next step's optimizer (that step's learning rate)."""
+    """(grad_norm before clipping as a float, seconds, stepped) of a queued step, waiting for its own GPU work (its
+    timer's end), not for what was queued after it; the scheduler steps only when the optimizer did. It must run
+    before the next step's optimizer (that step's learning rate)."""
     seconds = queued.timer.seconds()[0]
-    stepped = bool(queued.flag.item())
+    grad_norm, flag = queued.on_host.tolist()
+    stepped = flag == 1.0
     if stepped:
         scheduler.step()
-    return queued.grad_norm, seconds, stepped
+    return grad_norm, seconds, stepped
 
 
 def optimizer_step(policy, optimizer, scheduler, max_grad_norm: float | None, losses=()) -> tuple:

@@ -7,18 +7,40 @@ import math
 import time
 
 
-def resolve_metrics(micro: list[dict]) -> list[dict]:
-    """train_micro_batch's metrics as plain floats, with perf/fwd_s and perf/fwd_bwd_s: one device sync."""
+def to_host_async(t):
+    """A CUDA tensor's copy into pinned host memory, queued behind the work that makes it (the host does not wait);
+    a tensor on any other device as it is. Read it after an event recorded later on the stream has completed: a
+    read of the device tensor itself would wait for everything queued by then (the next step's forward/backward)."""
+    return t.to("cpu", non_blocking=True) if t.device.type == "cuda" else t
+
+
+def stage_metrics(metrics: dict) -> dict:
+    """`metrics` with its tensor values' host copy queued now (`to_host_async`, as `_staged`); `resolve_metrics`
+    reads that copy after the micro-batch's timer, without draining what was queued after it."""
     import torch
 
-    keys = [(i, k) for i, m in enumerate(micro) for k, v in m.items() if isinstance(v, torch.Tensor)]
-    values = torch.stack([micro[i][k].float().reshape(()) for i, k in keys]).tolist() if keys else []
-    out = [{k: v for k, v in m.items() if k != "_timer"} for m in micro]
-    for (i, k), value in zip(keys, values):
-        out[i][k] = value
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return metrics
+    return metrics | {"_staged": (keys, to_host_async(torch.stack([metrics[k].float().reshape(()) for k in keys])))}
+
+
+def resolve_metrics(micro: list[dict]) -> list[dict]:
+    """train_micro_batch's metrics as plain floats, with perf/fwd_s and perf/fwd_bwd_s: waits for each micro-batch's
+    timer, then reads its staged host copy (`stage_metrics`); unstaged tensors are read in one device sync."""
+    import torch
+
+    out = [{k: v for k, v in m.items() if k not in ("_timer", "_staged")} for m in micro]
     for m, resolved in zip(micro, out):
         if (timer := m.get("_timer")) is not None:
             resolved["perf/fwd_s"], resolved["perf/fwd_bwd_s"] = timer.seconds()
+        if (staged := m.get("_staged")) is not None:
+            keys, values = staged
+            resolved.update(zip(keys, values.tolist()))
+    keys = [(i, k) for i, m in enumerate(out) for k, v in m.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([out[i][k].float().reshape(()) for i, k in keys]).tolist() if keys else []
+    for (i, k), value in zip(keys, values):
+        out[i][k] = value
     return out
 
 
