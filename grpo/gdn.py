@@ -45,6 +45,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -110,16 +111,21 @@ def conv_index_table(token_pred: torch.Tensor, kernel_size: int) -> torch.Tensor
     """[N, K_c] table whose column i holds pred_{K_c-1-i}(n) (N past the root), matching `nn.Conv1d` taps.
 
     transformers' causal conv computes out[t] = sum_i w[i] x[t - (K_c - 1) + i], so tap i reads the input
-    K_c - 1 - i steps back along the token's own path.
+    K_c - 1 - i steps back along the token's own path. Built with numpy on the host (`_conv_index_table`), returned
+    on token_pred's device.
     """
+    return torch.from_numpy(_conv_index_table(token_pred.cpu().numpy(), kernel_size)).to(token_pred.device)
+
+
+def _conv_index_table(token_pred: np.ndarray, kernel_size: int) -> np.ndarray:
     n_tokens = token_pred.shape[0]
-    pred = torch.arange(n_tokens, device=token_pred.device)  # [N] pred_0(n) = n
+    pred = np.arange(n_tokens, dtype=np.int64)  # [N] pred_0(n) = n
     columns = [pred]
     for _ in range(kernel_size - 1):
-        pred = torch.where(pred >= 0, token_pred[pred.clamp(min=0)], pred)
+        pred = np.where(pred >= 0, token_pred[np.maximum(pred, 0)], pred)
         columns.append(pred)
-    table = torch.stack(columns[::-1], dim=1)  # [N, K_c]
-    return torch.where(table >= 0, table, n_tokens)
+    table = np.stack(columns[::-1], axis=1)  # [N, K_c]
+    return np.where(table >= 0, table, n_tokens)
 
 
 def segment_levels(seg_parent: list[int]) -> list[int]:
@@ -135,9 +141,10 @@ def segment_levels(seg_parent: list[int]) -> list[int]:
 
 def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_parent: torch.Tensor,
                    kernel_size: int) -> TreeScanPlan:
-    """Build the conv index table and the per-level padded batches of one packed row."""
-    device = token_pred.device
-    bounds = cu_seqlens.tolist()
+    """Build the conv index table and the per-level padded batches of one packed row: with numpy on the host (one
+    memcpy-speed op per table, no torch op dispatch or intra-op thread pool), moved to token_pred's device in one
+    copy."""
+    bounds = cu_seqlens.cpu().numpy().astype(np.int64)
     parents = seg_parent.tolist()
     levels = segment_levels(parents)
     slot_in_level: dict[int, int] = {}
@@ -145,36 +152,47 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
     for seg, level in enumerate(levels):
         slot_in_level[seg] = len(by_level[level])
         by_level[level].append(seg)
-    plans = []
-    for level, segs in enumerate(by_level):
-        starts = torch.tensor([bounds[s] for s in segs], device=device)  # [B]
-        lengths = torch.tensor([bounds[s + 1] - bounds[s] for s in segs], device=device)  # [B]
-        longest = max(bounds[s + 1] - bounds[s] for s in segs)
-        offsets = torch.arange(-(-longest // CHUNK) * CHUNK, device=device)  # [T], whole chunks
-        valid = offsets[None, :] < lengths[:, None]  # [B, T]
-        gather_index = torch.where(valid, starts[:, None] + offsets[None, :], token_pred.shape[0])  # [B, T]
-        parent_slot = None if level == 0 else torch.tensor([slot_in_level[parents[s]] for s in segs], device=device)
-        cu_cpu = torch.tensor([0] + [bounds[s + 1] - bounds[s] for s in segs]).cumsum(0)  # [B + 1]
-        consecutive = all(bounds[a + 1] == bounds[b] for a, b in zip(segs, segs[1:]))
-        flat_range = (bounds[segs[0]], bounds[segs[-1] + 1]) if consecutive else None
-        plans.append(LevelPlan(gather_index, valid, valid.flatten().nonzero()[:, 0], parent_slot,
-                               gather_index[valid], flat_range, cu_cpu.to(device), cu_cpu))
-    order = torch.cat([p.gather_index[p.valid] for p in plans])  # [N] packed positions, level-major
-    conv_index = conv_index_table(token_pred, kernel_size)
+    n_tokens = token_pred.shape[0]
+    plans = [_level_plan(bounds, np.asarray(segs, dtype=np.int64), n_tokens,
+                         None if level == 0 else [slot_in_level[parents[s]] for s in segs])
+             for level, segs in enumerate(by_level)]
+    order = np.concatenate([p.flat_index.numpy() for p in plans]) if plans else np.zeros(0, np.int64)
+    unpermute = np.empty_like(order)
+    unpermute[order] = np.arange(order.shape[0])  # the inverse permutation (order is one)
+    conv_index = _conv_index_table(token_pred.cpu().numpy(), kernel_size)
     stops = [p.flat_range for p in plans]
     level_major = all(r is not None for r in stops) and [r[0] for r in stops] == [0] + [r[1] for r in stops[:-1]]
-    return TreeScanPlan(conv_index, conv_fix_index(conv_index), plans, torch.argsort(order), order, level_major)
+    plan = TreeScanPlan(torch.from_numpy(conv_index), torch.from_numpy(_conv_fix_index(conv_index)), plans,
+                        torch.from_numpy(unpermute), torch.from_numpy(order), level_major)
+    return plan if token_pred.device.type == "cpu" else plan.to(token_pred.device)
+
+
+def _level_plan(bounds: np.ndarray, segs: np.ndarray, n_tokens: int, parent_slot: list[int] | None) -> LevelPlan:
+    """One level's tables on the host: its segments right-padded to whole chunks, and their varlen bounds."""
+    starts, lengths = bounds[segs], bounds[segs + 1] - bounds[segs]  # [B]
+    offsets = np.arange(-(-int(lengths.max()) // CHUNK) * CHUNK)  # [T], whole chunks
+    valid = offsets[None, :] < lengths[:, None]  # [B, T]
+    gather_index = np.where(valid, starts[:, None] + offsets[None, :], n_tokens)  # [B, T]
+    cu_cpu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))  # [B + 1]
+    consecutive = bool(np.all(bounds[segs[:-1] + 1] == bounds[segs[1:]]))
+    flat_range = (int(bounds[segs[0]]), int(bounds[segs[-1] + 1])) if consecutive else None
+    return LevelPlan(torch.from_numpy(gather_index), torch.from_numpy(valid), torch.from_numpy(np.flatnonzero(valid)),
+                     None if parent_slot is None else torch.tensor(parent_slot, dtype=torch.long),
+                     torch.from_numpy(gather_index[valid]), flat_range, cu_cpu, cu_cpu)
 
 
 def conv_fix_index(conv_index: torch.Tensor) -> torch.Tensor:
     """[M] packed positions whose path window differs from the packed positions just before them (a root that is
     not first in the row, a later sibling, and the K_c - 1 tokens after each): the only rows a contiguous causal
     conv gets wrong. A first child follows its parent in the row (DFS pre-order), so its window is contiguous."""
+    return torch.from_numpy(_conv_fix_index(conv_index.cpu().numpy())).to(conv_index.device)
+
+
+def _conv_fix_index(conv_index: np.ndarray) -> np.ndarray:
     n_tokens, kernel_size = conv_index.shape
-    contiguous = (torch.arange(n_tokens, device=conv_index.device)[:, None]
-                  + torch.arange(1 - kernel_size, 1, device=conv_index.device)[None, :])  # [N, K_c]
-    contiguous = torch.where(contiguous >= 0, contiguous, n_tokens)
-    return (conv_index != contiguous).any(dim=1).nonzero()[:, 0]
+    contiguous = np.arange(n_tokens)[:, None] + np.arange(1 - kernel_size, 1)[None, :]  # [N, K_c]
+    contiguous = np.where(contiguous >= 0, contiguous, n_tokens)
+    return np.flatnonzero((conv_index != contiguous).any(axis=1))
 
 
 class _ContiguousDepthwiseConv(torch.autograd.Function):
