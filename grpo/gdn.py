@@ -229,13 +229,15 @@ class _ContiguousDepthwiseConv(torch.autograd.Function):
 
 def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        activation: str | None, conv_index: torch.Tensor,
-                       fix_index: torch.Tensor | None = None) -> torch.Tensor:
+                       fix_index: torch.Tensor | None = None, qk_norm: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal depthwise conv along each token's path: the packed-row twin of transformers' `causal_conv1d_fn`.
 
     The contiguous conv over the packed row (`_ContiguousDepthwiseConv`) is right for every token whose K_c - 1
     path predecessors are the packed positions just before it; the `fix_index` rows (`conv_fix_index`, a few per
     segment) are recomputed from their path windows and put in its place. Like transformers, the conv runs in the
-    weight dtype, the activation follows, and the result returns in the input dtype.
+    weight dtype, the activation follows, and the result returns in the input dtype. `qk_norm` = (channels,
+    head_dim): the first `channels` outputs (query and key) are L2-normalised per head (`l2norm_leading`), the
+    normalisation FLA's kernels otherwise launch per call (`use_qk_l2norm_in_kernel`), here fused into the conv.
     mixed_qkv [N, C], weight [C, K_c], conv_index [N, K_c] (N = a zero tap) -> [N, C].
     """
     from transformers.activations import ACT2FN
@@ -245,7 +247,7 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
         fix_index = conv_fix_index(conv_index)
     if _COMPILED_CONV and activation in _FORMULA_ACTIVATIONS:
         out = _COMPILED_CONV[0](mixed_qkv.to(weight.dtype), weight, bias, fix_index, conv_index[fix_index],
-                                activation is not None)
+                                activation is not None, qk_norm)
         return out.to(mixed_qkv.dtype)
     x = mixed_qkv.to(weight.dtype)  # [N, C]
     out = _ContiguousDepthwiseConv.apply(x, weight)  # [N, C]
@@ -259,7 +261,17 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
         out = out + bias
     if activation is not None:
         out = ACT2FN[activation](out)
-    return out.to(mixed_qkv.dtype)
+    return (out if qk_norm is None else l2norm_leading(out, *qk_norm)).to(mixed_qkv.dtype)
+
+
+def l2norm_leading(out: torch.Tensor, channels: int, head_dim: int) -> torch.Tensor:
+    """out [N, C] with its first `channels` columns L2-normalised in groups of `head_dim` (eps 1e-6, computed in fp32
+    or wider, returned in out's dtype): FLA's and transformers' query/key normalisation."""
+    n_tokens = out.shape[0]
+    acc = torch.promote_types(out.dtype, torch.float32)
+    qk = out[:, :channels].to(acc).reshape(n_tokens, channels // head_dim, head_dim)
+    qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
+    return torch.cat([qk.reshape(n_tokens, channels).to(out.dtype), out[:, channels:]], dim=1)
 
 
 _FORMULA_ACTIVATIONS = (None, "silu", "swish")
@@ -267,9 +279,9 @@ _COMPILED_CONV: list = []  # [the torch.compile'd `tree_conv_formula`] once `com
 
 
 def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fix_index: torch.Tensor,
-                      fix_window: torch.Tensor, silu: bool) -> torch.Tensor:
+                      fix_window: torch.Tensor, silu: bool, qk_norm: tuple[int, int] | None = None) -> torch.Tensor:
     """`tree_causal_conv1d` as one differentiable formula over shifted row slices (the conv, the recomputed segment
-    starts, bias, SiLU): what torch.compile fuses into a few kernels (`compile_tree_conv`). Eager, it would keep
+    starts, bias, SiLU, the query/key normalisation): what torch.compile fuses into a few kernels (`compile_tree_conv`). Eager, it would keep
     K_c fp32 products for autograd; the eager path runs `_ContiguousDepthwiseConv` (saves x and the weight only).
     x [N, C] in the weight dtype, fix_window [M, K_c] = conv_index[fix_index] (N = a zero tap) -> [N, C]."""
     n_tokens, kernel_size = x.shape[0], weight.shape[1]
@@ -284,7 +296,8 @@ def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = out.to(weight.dtype)
     if bias is not None:
         out = out + bias
-    return F.silu(out) if silu else out
+    out = F.silu(out) if silu else out
+    return out if qk_norm is None else l2norm_leading(out, *qk_norm)
 
 
 def compile_tree_conv(**compile_kwargs) -> None:
@@ -338,13 +351,15 @@ def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: Tr
     return _take(torch.cat(outputs), plan.unpermute)  # [N, H, D_v]
 
 
-def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
+def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: TreeScanPlan,
+                                 use_qk_l2norm_in_kernel: bool = True) -> torch.Tensor:
     """The same recurrence through a varlen kernel (FLA's `chunk_gated_delta_rule` with `cu_seqlens` and one
     initial state per segment): one call per level, no padding, grouped q/k heads passed as they are. The inputs are
     put in level-major order once (each level then a slice; nothing to do when the row is in that order already)
     and the output back in the row's, both as permutations (`_Permute`).
 
-    query/key [N, H_k, D_k], value [N, H_v, D_v], g/beta [N, H_v]; returns [N, H_v, D_v].
+    query/key [N, H_k, D_k], value [N, H_v, D_v], g/beta [N, H_v]; returns [N, H_v, D_v]. `use_qk_l2norm_in_kernel`
+    False: query and key come normalised (the tree conv's `qk_norm`), so the kernel does not launch its own.
     """
     inputs = (query, key, value, g, beta)
     if not plan.level_major:
@@ -355,7 +370,7 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: 
         q_l, k_l, v_l, g_l, beta_l = (t[start:stop].contiguous()[None] for t in inputs)  # a copy only for views
         initial_state = None if level.parent_slot is None else _take(final_states, level.parent_slot)  # [B, H, ..]
         out_l, final_states = varlen_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
-                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                           cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
         outputs.append(out_l.squeeze(0))  # [n_level, H, D_v] (squeeze: a view backward, not a zero-fill + copy)
         start = stop
@@ -374,8 +389,13 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
         raise ValueError(f"tree-packed GDN expects one unpadded row (batch 1), got batch {hidden_states.shape[0]}")
     x = hidden_states.squeeze(0)  # [N, hidden]
     n_tokens = x.shape[0]
+    kernels, fla_rule = gdn_kernels(getattr(layer, "_tree_gdn_kernel", "auto"), x.device,
+                                    (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim))
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    fla = kernels.for_forward(needs_grad) == "fla"  # FLA: query/key normalised inside the conv, not by FLA per call
     mixed_qkv = tree_causal_conv1d(layer.in_proj_qkv(x), layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
-                                   layer.activation, plan.conv_index, plan.conv_fix_index)  # [N, 2 key + value]
+                                   layer.activation, plan.conv_index, plan.conv_fix_index,
+                                   (2 * layer.key_dim, layer.head_k_dim) if fla else None)  # [N, 2 key + value]
     query, key, value = torch.split(mixed_qkv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]
     key = key.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]
@@ -383,11 +403,9 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     z = layer.in_proj_z(x).reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
     beta = layer.in_proj_b(x).sigmoid()  # [N, H_v]
     g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias)  # [N, H_v]
-    kernels, fla_rule = gdn_kernels(getattr(layer, "_tree_gdn_kernel", "auto"), x.device,
-                                    (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim))
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
-    if kernels.for_forward(needs_grad) == "fla":
-        core_attn_out = tree_varlen_gated_delta_rule(fla_rule, query, key, value, g, beta, plan)
+    if fla:
+        core_attn_out = tree_varlen_gated_delta_rule(fla_rule, query, key, value, g, beta, plan,
+                                                     use_qk_l2norm_in_kernel=False)
     else:
         if layer.num_v_heads // layer.num_k_heads > 1:
             query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)

@@ -117,6 +117,42 @@ def test_gdn_layer_matches_per_sample(gdn_layer, kind, seed):
         _assert_close_to_scale(got, want, f"grad of {name}")
 
 
+@pytest.mark.parametrize("kind", ["shared_prompt", "multi_level"])
+def test_fla_path_normalises_query_and_key_in_the_conv(gdn_layer, kind, monkeypatch):
+    """Where FLA runs the recurrence, the layer passes it query and key already L2-normalised by the tree conv
+    (`qk_norm`) with `use_qk_l2norm_in_kernel=False`: FLA launches no normalisation kernels of its own, and the
+    layer still equals the unmodified layer per sample (values and gradients). FLA stands in as the token-by-token
+    reference behind FLA's varlen signature, q/k heads repeated to the value heads as FLA does inside."""
+    import grpo.gdn as gdn
+
+    flags = []
+
+    def varlen_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel, **kw):
+        flags.append(use_qk_l2norm_in_kernel)
+        q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
+        return _varlen_sequential_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kw)
+
+    monkeypatch.setattr(gdn, "gdn_kernels", lambda *a, **kw: (GdnKernels("fla", "fla", "test"), varlen_rule))
+    row = pack_samples([_sample(t) for t in TRIES[kind](random.Random(4))])
+    paths = row.sample_paths()
+    torch.manual_seed(4)
+    packed_hidden = torch.randn(row.num_tokens, gdn_layer.hidden_size, requires_grad=True)  # [N, hidden]
+    weights = [torch.randn(len(p), gdn_layer.hidden_size) for p in paths]
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, gdn_layer.conv_kernel_size)
+    packed_out = tree_gdn_forward(gdn_layer, packed_hidden[None], plan)[0]  # [N, hidden]
+    assert flags and not any(flags)
+    packed_grads = torch.autograd.grad(_weighted_loss([packed_out[p] for p in paths], weights),
+                                       [packed_hidden, *gdn_layer.parameters()])
+    reference_out = _per_sample_reference(gdn_layer, packed_hidden, paths)
+    reference_grads = torch.autograd.grad(_weighted_loss(reference_out, weights),
+                                          [packed_hidden, *gdn_layer.parameters()])
+    for path, ref in zip(paths, reference_out):
+        torch.testing.assert_close(packed_out[path], ref, **TOL)
+    names = ["hidden_states"] + [n for n, _ in gdn_layer.named_parameters()]
+    for name, got, want in zip(names, packed_grads, reference_grads):
+        _assert_close_to_scale(got, want, f"grad of {name}")
+
+
 def _assert_close_to_scale(got, want, what, tol=1e-5):
     """Max error relative to the tensor's own scale: gradients sum many tokens, so their entries reach O(10)."""
     scale = want.abs().max().clamp(min=1.0)
@@ -530,12 +566,14 @@ def test_varlen_driver_backward_scatters_only_the_initial_states():
     assert count.index_adds == len(plan.levels) - 1
 
 
+@pytest.mark.parametrize("qk_norm", [None, (4, 2)])
 @pytest.mark.parametrize("seed", range(3))
-def test_compiled_tree_conv_equals_the_eager_one(seed, monkeypatch):
+def test_compiled_tree_conv_equals_the_eager_one(seed, qk_norm, monkeypatch):
     """`tree_conv_formula` under torch.compile (aot_eager: dynamo + AOTAutograd tracing, dynamic shapes; inductor's
     codegen is checked on the GPU by bench_step --check) == the eager tree conv with bias and SiLU, fp64 values and
     gradients, reached through `tree_causal_conv1d` once compiled; rows of several lengths and fix-row counts
-    (one with none) go through the same compiled function."""
+    (one with none) go through the same compiled function. With `qk_norm` (channels, head_dim) the leading channels
+    come out L2-normalised per head, as transformers' `l2norm` would make them."""
     import grpo.gdn as gdn
 
     compiled_formula = torch.compile(gdn.tree_conv_formula, backend="aot_eager", dynamic=True)
@@ -559,12 +597,18 @@ def test_compiled_tree_conv_equals_the_eager_one(seed, monkeypatch):
         results = []
         for compiled in ([counted], []):
             monkeypatch.setattr(gdn, "_COMPILED_CONV", compiled)
-            out = tree_causal_conv1d(x, weight, bias, "silu", index, fix)
+            out = tree_causal_conv1d(x, weight, bias, "silu", index, fix, qk_norm)
             results.append([out, *torch.autograd.grad((out * probe).sum(), (x, weight, bias))])
         assert calls[-1] == fix.numel()
         for name, got, want in zip(["output", "d x", "d weight", "d bias"], *results):
             torch.testing.assert_close(got, want, atol=1e-12, rtol=0, msg=name)
         want = torch.nn.functional.silu(_windowed_conv(x, weight, index) + bias)  # and the definition itself
+        if qk_norm is not None:
+            from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm
+
+            channels, head_dim = qk_norm
+            heads = want[:, :channels].reshape(-1, channels // head_dim, head_dim)
+            want = torch.cat([l2norm(heads, dim=-1, eps=1e-6).reshape(-1, channels), want[:, channels:]], dim=1)
         torch.testing.assert_close(results[0][0], want, atol=1e-12, rtol=0)
     assert len(calls) == len(rows) and 0 in calls and max(calls) > 0
 
