@@ -91,30 +91,35 @@ def _weighted_loss(outputs, weights):
     return sum((out * w).sum() for out, w in zip(outputs, weights))
 
 
-@pytest.mark.parametrize("kind", list(TRIES))
-@pytest.mark.parametrize("seed", [0, 1])
-def test_gdn_layer_matches_per_sample(gdn_layer, kind, seed):
-    rng = random.Random(seed)
-    row = pack_samples([_sample(t) for t in TRIES[kind](rng)])
+def _check_layer_against_per_sample(layer, kind: str, seed: int) -> None:
+    """tree_gdn_forward on a packed row == the unmodified layer on each sample alone: values and the gradients of
+    the input and every parameter."""
+    row = pack_samples([_sample(t) for t in TRIES[kind](random.Random(seed))])
     paths = row.sample_paths()
     torch.manual_seed(seed)
-    packed_hidden = torch.randn(row.num_tokens, gdn_layer.hidden_size, requires_grad=True)  # [N, hidden]
-    weights = [torch.randn(len(p), gdn_layer.hidden_size) for p in paths]
+    packed_hidden = torch.randn(row.num_tokens, layer.hidden_size, requires_grad=True)  # [N, hidden]
+    weights = [torch.randn(len(p), layer.hidden_size) for p in paths]
 
-    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, gdn_layer.conv_kernel_size)
-    packed_out = tree_gdn_forward(gdn_layer, packed_hidden[None], plan)[0]  # [N, hidden]
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, layer.conv_kernel_size)
+    packed_out = tree_gdn_forward(layer, packed_hidden[None], plan)[0]  # [N, hidden]
     packed_grads = torch.autograd.grad(_weighted_loss([packed_out[p] for p in paths], weights),
-                                       [packed_hidden, *gdn_layer.parameters()])
+                                       [packed_hidden, *layer.parameters()])
 
-    reference_out = _per_sample_reference(gdn_layer, packed_hidden, paths)
+    reference_out = _per_sample_reference(layer, packed_hidden, paths)
     reference_grads = torch.autograd.grad(_weighted_loss(reference_out, weights),
-                                          [packed_hidden, *gdn_layer.parameters()])
+                                          [packed_hidden, *layer.parameters()])
 
     for path, ref in zip(paths, reference_out):
         torch.testing.assert_close(packed_out[path], ref, **TOL)
-    names = ["hidden_states"] + [n for n, _ in gdn_layer.named_parameters()]
+    names = ["hidden_states"] + [n for n, _ in layer.named_parameters()]
     for name, got, want in zip(names, packed_grads, reference_grads):
         _assert_close_to_scale(got, want, f"grad of {name}")
+
+
+@pytest.mark.parametrize("kind", list(TRIES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gdn_layer_matches_per_sample(gdn_layer, kind, seed):
+    _check_layer_against_per_sample(gdn_layer, kind, seed)
 
 
 @pytest.mark.parametrize("kind", ["shared_prompt", "multi_level"])
@@ -133,24 +138,8 @@ def test_fla_path_normalises_query_and_key_in_the_conv(gdn_layer, kind, monkeypa
         return _varlen_sequential_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kw)
 
     monkeypatch.setattr(gdn, "gdn_kernels", lambda *a, **kw: (GdnKernels("fla", "fla", "test"), varlen_rule))
-    row = pack_samples([_sample(t) for t in TRIES[kind](random.Random(4))])
-    paths = row.sample_paths()
-    torch.manual_seed(4)
-    packed_hidden = torch.randn(row.num_tokens, gdn_layer.hidden_size, requires_grad=True)  # [N, hidden]
-    weights = [torch.randn(len(p), gdn_layer.hidden_size) for p in paths]
-    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, gdn_layer.conv_kernel_size)
-    packed_out = tree_gdn_forward(gdn_layer, packed_hidden[None], plan)[0]  # [N, hidden]
+    _check_layer_against_per_sample(gdn_layer, kind, 4)
     assert flags and not any(flags)
-    packed_grads = torch.autograd.grad(_weighted_loss([packed_out[p] for p in paths], weights),
-                                       [packed_hidden, *gdn_layer.parameters()])
-    reference_out = _per_sample_reference(gdn_layer, packed_hidden, paths)
-    reference_grads = torch.autograd.grad(_weighted_loss(reference_out, weights),
-                                          [packed_hidden, *gdn_layer.parameters()])
-    for path, ref in zip(paths, reference_out):
-        torch.testing.assert_close(packed_out[path], ref, **TOL)
-    names = ["hidden_states"] + [n for n, _ in gdn_layer.named_parameters()]
-    for name, got, want in zip(names, packed_grads, reference_grads):
-        _assert_close_to_scale(got, want, f"grad of {name}")
 
 
 def _assert_close_to_scale(got, want, what, tol=1e-5):
