@@ -245,8 +245,8 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
     n_tokens = conv_index.shape[0]
     if fix_index is None:
         fix_index = conv_fix_index(conv_index)
-    if _COMPILED_CONV and activation in _FORMULA_ACTIVATIONS:
-        out = _COMPILED_CONV[0](mixed_qkv.to(weight.dtype), weight, bias, fix_index, conv_index[fix_index],
+    if "conv" in _COMPILED and activation in _FORMULA_ACTIVATIONS:
+        out = _COMPILED["conv"](mixed_qkv.to(weight.dtype), weight, bias, fix_index, conv_index[fix_index],
                                 activation is not None, qk_norm)
         return out.to(mixed_qkv.dtype)
     x = mixed_qkv.to(weight.dtype)  # [N, C]
@@ -275,7 +275,7 @@ def l2norm_leading(out: torch.Tensor, channels: int, head_dim: int) -> torch.Ten
 
 
 _FORMULA_ACTIVATIONS = (None, "silu", "swish")
-_COMPILED_CONV: list = []  # [the torch.compile'd `tree_conv_formula`] once `compile_tree_conv` ran
+_COMPILED: dict = {}  # "conv": torch.compile'd `tree_conv_formula`, "gates": `gdn_gates`, once `compile_tree_conv` ran
 
 
 def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fix_index: torch.Tensor,
@@ -301,12 +301,19 @@ def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def compile_tree_conv(**compile_kwargs) -> None:
-    """Route `tree_causal_conv1d` through the torch.compile'd `tree_conv_formula` (dynamic shapes by default:
-    rows change length). Eager, the conv is ~3 fp32 passes over [N, C] per tap forward and more backward; fused,
-    one read of x and one write. Idempotent."""
-    if not _COMPILED_CONV:
-        compile_kwargs.setdefault("dynamic", True)
-        _COMPILED_CONV.append(torch.compile(tree_conv_formula, **compile_kwargs))
+    """Route `tree_causal_conv1d` through the torch.compile'd `tree_conv_formula`, and the layer's gates through a
+    compiled `gdn_gates` (dynamic shapes by default: rows change length). Eager, the conv is ~3 fp32 passes over
+    [N, C] per tap forward and more backward, the gates seven kernels; fused, a few each. Idempotent."""
+    compile_kwargs.setdefault("dynamic", True)
+    for name, fn in (("conv", tree_conv_formula), ("gates", gdn_gates)):
+        if name not in _COMPILED:
+            _COMPILED[name] = torch.compile(fn, **compile_kwargs)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple:
+    """(g, beta) of a GDN layer from its in_proj_a / in_proj_b outputs [N, H_v]: the log decay
+    g = -exp(A_log) softplus(a + dt_bias) in fp32, and beta = sigmoid(b), as transformers' layer computes them."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
 # ------------------------------------------------------------------------------------------------ tree drivers
@@ -401,8 +408,8 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     key = key.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]
     value = value.reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
     z = layer.in_proj_z(x).reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
-    beta = layer.in_proj_b(x).sigmoid()  # [N, H_v]
-    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias)  # [N, H_v]
+    g, beta = _COMPILED.get("gates", gdn_gates)(layer.in_proj_a(x), layer.in_proj_b(x), layer.A_log,
+                                                layer.dt_bias)  # [N, H_v] each
     if fla:
         core_attn_out = tree_varlen_gated_delta_rule(fla_rule, query, key, value, g, beta, plan,
                                                      use_qk_l2norm_in_kernel=False)

@@ -289,12 +289,13 @@ def compiled_conv():
     """Inside: grpo.gdn.tree_causal_conv1d runs its torch.compile'd formula (compiled once, kept for reuse)."""
     import grpo.gdn as gdn
 
-    saved = list(gdn._COMPILED_CONV)
+    saved = dict(gdn._COMPILED)
     gdn.compile_tree_conv()
     try:
         yield
     finally:
-        gdn._COMPILED_CONV[:] = saved
+        gdn._COMPILED.clear()
+        gdn._COMPILED.update(saved)
 
 
 _REGIONS: dict = {}

@@ -584,8 +584,8 @@ def test_compiled_tree_conv_equals_the_eager_one(seed, qk_norm, monkeypatch):
         bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
         probe = torch.randn(row.num_tokens, 6, dtype=torch.float64)
         results = []
-        for compiled in ([counted], []):
-            monkeypatch.setattr(gdn, "_COMPILED_CONV", compiled)
+        for compiled in ({"conv": counted}, {}):
+            monkeypatch.setattr(gdn, "_COMPILED", compiled)
             out = tree_causal_conv1d(x, weight, bias, "silu", index, fix, qk_norm)
             results.append([out, *torch.autograd.grad((out * probe).sum(), (x, weight, bias))])
         assert calls[-1] == fix.numel()
@@ -600,6 +600,30 @@ def test_compiled_tree_conv_equals_the_eager_one(seed, qk_norm, monkeypatch):
             want = torch.cat([l2norm(heads, dim=-1, eps=1e-6).reshape(-1, channels), want[:, channels:]], dim=1)
         torch.testing.assert_close(results[0][0], want, atol=1e-12, rtol=0)
     assert len(calls) == len(rows) and 0 in calls and max(calls) > 0
+
+
+def test_compiled_gates_equal_the_eager_ones():
+    """`gdn_gates` under torch.compile (aot_eager, dynamic shapes: two row lengths, one compiled function) == eager
+    == transformers' own g and beta formula, fp64 values and gradients of a, b, A_log and dt_bias."""
+    import grpo.gdn as gdn
+
+    compiled = torch.compile(gdn.gdn_gates, backend="aot_eager", dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    a_log = torch.rand(4, generator=gen, dtype=torch.float64).requires_grad_()
+    dt_bias = torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+    for n in (7, 19):
+        a, b = (torch.randn(n, 4, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+        probe_g, probe_beta = torch.randn(n, 4, dtype=torch.float64), torch.randn(n, 4, dtype=torch.float64)
+        results = []
+        for fn in (compiled, gdn.gdn_gates,
+                   lambda a, b, a_log, dt: (-a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt),
+                                            b.sigmoid())):
+            g, beta = fn(a, b, a_log, dt_bias)
+            loss = (g * probe_g).sum() + (beta * probe_beta).sum()
+            results.append([g, beta, *torch.autograd.grad(loss, (a, b, a_log, dt_bias))])
+        for got in results[:2]:
+            for name, x, want in zip(["g", "beta", "d a", "d b", "d A_log", "d dt_bias"], got, results[2]):
+                torch.testing.assert_close(x, want, atol=1e-12, rtol=0, msg=name)
 
 
 def test_chunked_bf16_inputs():
@@ -895,13 +919,13 @@ def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monk
                 if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")}
     ropes = {module: module.apply_rotary_pos_emb for module in modeling}  # compile_layer_regions swaps these too
     try:
-        monkeypatch.setattr(tree_gdn, "_COMPILED_CONV", [])
+        monkeypatch.setattr(tree_gdn, "_COMPILED", {})
         monkeypatch.delenv("GRPO_GDN_COMPILE", raising=False)
         compile_layer_regions(models["qwen3"])
-        assert not tree_gdn._COMPILED_CONV  # no GDN layer: the tree conv stays eager
+        assert not tree_gdn._COMPILED  # no GDN layer: the tree conv and gates stay eager
         compile_layer_regions(models["qwen3_5"])
         assert (gdn._chunk_prepare, gdn._chunk_output) == eager
-        assert len(tree_gdn._COMPILED_CONV) == 1  # the tree conv is compiled whenever the layers are
+        assert set(tree_gdn._COMPILED) == {"conv", "gates"}  # compiled whenever the layers are
         gated = [m for m in models["qwen3_5"].modules() if type(m).__name__.endswith("RMSNormGated")]
         assert gated and all(m._compiled_call_impl is not None for m in gated)
         monkeypatch.setenv("GRPO_GDN_COMPILE", "1")

@@ -238,7 +238,7 @@ def test_whole_layer_compile_equals_eager(tiny_models, kind, checkpointing, monk
     from grpo.policy import build_policy
     from test_train import random_samples
 
-    monkeypatch.setattr(tree_gdn, "_COMPILED_CONV", [])  # process-wide compile state, put back after the test
+    monkeypatch.setattr(tree_gdn, "_COMPILED", {})  # process-wide compile state, put back after the test
     for name in ("qwen3", "qwen3_5"):
         modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
@@ -277,7 +277,7 @@ def test_flash_split_stays_inside_the_compiled_layer(tiny_models, monkeypatch):
     from grpo.policy import build_policy
     from test_train import random_samples
 
-    monkeypatch.setattr(tree_gdn, "_COMPILED_CONV", [])  # process-wide compile state, put back after the test
+    monkeypatch.setattr(tree_gdn, "_COMPILED", {})  # process-wide compile state, put back after the test
     for name in ("qwen3", "qwen3_5"):
         modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
