@@ -153,8 +153,9 @@ def test_train_end_to_end_weights_reach_server(train_server, tiny_qwen3, tmp_pat
     httpx.post(f"{train_server.base_url}/pause?mode=keep", timeout=60).raise_for_status()
     # bf16 compute over fp32 weights in one process (what one GPU runs: grpo/master_weights.py, no FSDP2): the syncs
     # and checkpoints must carry the fp32 masters, not the bf16 compute copies (the CPU server serves fp32)
+    # weight syncs every 2 steps: steps 1 and 3 are queued ahead (the next one planned before they are read back)
     proc = subprocess.run(_train_cmd(train_server.base_url, out, "--max-steps", "4", "--save-steps", "2",
-                                     "--bf16", "True"),
+                                     "--bf16", "True", "--weight-sync-steps", "2"),
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = _metrics(out)
@@ -162,6 +163,7 @@ def test_train_end_to_end_weights_reach_server(train_server, tiny_qwen3, tmp_pat
     assert all(r["sample/staleness_max"] is None or r["sample/staleness_max"] <= 4 for r in rows)
     for key in ("reward", "loss", "perf/weight_sync_s", "batch/packing_ratio", "rollout/concurrency_cap"):
         assert any(r.get(key) is not None for r in rows), key
+    assert [r["step"] for r in rows if r.get("perf/weight_sync_s") is not None] == [2, 4]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "repro" / "config.json").exists() and (out / "repro" / "env.json").exists()
     final = out / "checkpoint-4"
