@@ -74,6 +74,7 @@ class Run:
     nonfinite_in_a_row: int = 0
     sync_due: bool = False
     step_end: float = 0.0  # perf_counter() when the last step was concluded
+    rollout_metrics: list = field(default_factory=list)  # worker metrics kept for the next log (`hand_back`)
 
 
 def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls, peft_config,
@@ -197,11 +198,13 @@ def ends_in_barrier(run: Run, number: int) -> bool:
 
 
 def hand_back(run: Run, plans: list) -> None:
-    """Rank 0 tells the worker what a step consumed (its run-ahead allowance and the trained groups)."""
+    """Rank 0 tells the worker what a step queued ahead consumed (its run-ahead allowance and the trained groups),
+    and keeps the worker's metrics so far for that step's log: what planning the next step adds belongs to that one."""
     if run.info.is_main:
         samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
         run.worker.set_allowance_from_step(sum(len(s) for s in samples))
         run.worker.mark_trained(samples)
+        run.rollout_metrics += run.worker.drain_metrics()
 
 
 def conclude(run: Run, queued_step: tuple) -> None:
@@ -248,13 +251,19 @@ def after_step(run: Run, plans: list, trained: tuple, t_step: float, handed_back
                      "learning_rate": run.scheduler.get_last_lr()[0]}
     run.window.append(step_metrics)
     if run.step % cfg.logging_steps == 0:
-        log_window(run.logger, run.step, run.window, worker)
+        log_window(run.logger, run.step, run.window, rollout_metrics(run, fresh=not handed_back))
         run.window = []
         if cfg.log_completions:
             run.logger.log_table(run.step, "completions", COMPLETION_COLUMNS, completion_rows(
                 samples, run.tokenizer, trained_version, run.step, cfg.num_completions_to_print))
     if cfg.save_strategy == "steps" and run.step % cfg.save_steps == 0:
         save(run, run.step)
+
+
+def rollout_metrics(run: Run, fresh: bool = True) -> list:
+    """The worker's metrics for the next log row: those kept by `hand_back`, then (`fresh`) the ones queued since."""
+    kept, run.rollout_metrics = run.rollout_metrics, []
+    return kept + (run.worker.drain_metrics() if fresh and run.worker is not None else [])
 
 
 def save(run: Run, at_step: int, rollout_state: dict | None = None) -> None:
@@ -275,13 +284,13 @@ def wind_down(run: Run) -> dict | None:
 
     cfg, info, worker, version = run.config, run.info, run.worker, run.version
     if run.window:  # the last, partial logging window
-        log_window(run.logger, run.step, run.window, worker)
+        log_window(run.logger, run.step, run.window, rollout_metrics(run))
     if run.eval_dataset is not None and info.is_main and run.step > run.state["step"]:  # waited for
         worker.request_eval(version)
         if not worker.wait_eval(version, cfg.vllm_server_timeout):
             log.warning("the final evaluation (weight version %d) did not finish within %.0f s", version,
                         cfg.vllm_server_timeout)
-        log_window(run.logger, run.step, [], worker)
+        log_window(run.logger, run.step, [], rollout_metrics(run))
     if info.is_main:  # drops booked after the last step (e.g. while the epochs ran out)
         record_prompts(cfg.output_dir, run.step, None, run.state, worker.drain_drops())
     if run.step == run.state["step"]:

@@ -136,16 +136,17 @@ def split_evaluations(items: list) -> tuple[list, list[dict[str, float]]]:
     return rest, evals
 
 
-def log_window(logger, step: int, window: list[dict], worker) -> None:
-    """One row of the window's reduced metrics at `step`. Evaluations are never averaged together: the newest one
-    finished in the window goes into that row, any earlier one in a row of its own just before it (same step; each
-    row names its `eval/model_version`)."""
+def log_window(logger, step: int, window: list[dict], rollout_metrics: list) -> None:
+    """One row of the window's reduced metrics at `step`: the trainer's step metrics and the rollout worker's
+    (name, value) items drained for it. Evaluations are never averaged together: the newest one finished in the
+    window goes into that row, any earlier one in a row of its own just before it (same step; each row names its
+    `eval/model_version`)."""
     from grpo.metrics import ALWAYS_LOGGED_COUNTERS, MetricsWindow
 
     agg = MetricsWindow(always=ALWAYS_LOGGED_COUNTERS)
     for metrics in window:
         agg.extend(metrics.items())
-    rest, evals = split_evaluations(worker.drain_metrics() if worker is not None else [])
+    rest, evals = split_evaluations(rollout_metrics)
     agg.extend(rest)
     for earlier in evals[:-1]:
         logger.log(step, earlier)

@@ -128,7 +128,6 @@ def test_two_evaluations_in_one_window_are_logged_apart(tmp_path):
     """Evaluations that finish in the same logging window are never averaged: the newest rides in the window's row,
     the earlier one gets a row of its own at the same step; the trainer's skip counter is summed with the window."""
     import json
-    from types import SimpleNamespace
 
     from grpo.evaluation import eval_metrics
     from grpo.metrics import MetricsLogger
@@ -138,9 +137,8 @@ def test_two_evaluations_in_one_window_are_logged_apart(tmp_path):
     v5 = eval_metrics([1.0, 1.0], [[1.0, 1.0], [1.0, 0.0]], [5, 5], 5, 2.0)
     items = ([("gen/x", 1.0)] + list(v3.items()) + [("eval/skipped_count", 1.0), ("gen/x", 3.0)] + list(v5.items())
              + [("eval/skipped_count", 1.0)])
-    worker = SimpleNamespace(drain_metrics=lambda: list(items))
     logger = MetricsLogger(tmp_path, console=False, trackers=[])
-    log_window(logger, 4, [{"loss": 0.5}], worker)
+    log_window(logger, 4, [{"loss": 0.5}], list(items))
     logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 4]

@@ -23,6 +23,7 @@ class RecordingWorker:
 
     def __init__(self, events: list):
         self.events = events
+        self.metrics: list = []  # what planning a step reports (train.py logs it with that step's row)
 
     def set_allowance_from_step(self, tokens):
         self.events.append(("allowance", tokens))
@@ -37,7 +38,8 @@ class RecordingWorker:
         return []
 
     def drain_metrics(self):
-        return []
+        drained, self.metrics = self.metrics, []
+        return drained
 
     def take_wait_s(self):
         return 0.0
@@ -84,7 +86,9 @@ def _run_loop(tiny: str, tmp_path, weight_sync_steps: int, monkeypatch):
     pending_plans = _plans(STEPS)
 
     def plan_step(worker, batcher, stop_groups, grad_accum, info):
-        events.append(("plan", len(pending_plans) and pending_plans[0][0].rows[0][0].model_version))
+        step = len(pending_plans) and pending_plans[0][0].rows[0][0].model_version
+        events.append(("plan", step))
+        worker.metrics.append(("sample/planned_for_step", float(step)))
         return pending_plans.pop(0) if pending_plans else []
 
     monkeypatch.setattr(step_plan, "plan_step", plan_step)
@@ -123,6 +127,8 @@ def test_queued_steps_train_exactly_like_steps_concluded_at_once(tiny_qwen3, tmp
         assert ahead == (k % weight_sync_steps != 0), (k, events)
     assert all(every_events.index(("concluded", k)) < every_events.index(("plan", k + 1)) for k in range(1, STEPS))
     assert [row["step"] for row in logged] == [row["step"] for row in every_logged] == list(range(1, STEPS + 1))
+    # the worker's metrics from planning a step are logged with that step, not with the one before it
+    assert [row["sample/planned_for_step"] for row in logged] == [float(s) for s in range(1, STEPS + 1)]
     for ours, ref in zip(logged, every_logged):
         for key in ("loss", "grad_norm", "learning_rate", "batch/trained_tokens_per_step"):
             assert ours[key] == ref[key], (ours["step"], key)
