@@ -75,6 +75,7 @@ class Run:
     sync_due: bool = False
     step_end: float = 0.0  # perf_counter() when the last step was concluded
     rollout_metrics: list = field(default_factory=list)  # worker metrics kept for the next log (`hand_back`)
+    drops: list = field(default_factory=list)  # worker drops kept for the next ledger line (`hand_back`)
 
 
 def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls, peft_config,
@@ -199,12 +200,14 @@ def ends_in_barrier(run: Run, number: int) -> bool:
 
 def hand_back(run: Run, plans: list) -> None:
     """Rank 0 tells the worker what a step queued ahead consumed (its run-ahead allowance and the trained groups),
-    and keeps the worker's metrics so far for that step's log: what planning the next step adds belongs to that one."""
+    and keeps the worker's metrics and drops so far for that step's log and ledger line: what planning the next step
+    adds belongs to that one."""
     if run.info.is_main:
         samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
         run.worker.set_allowance_from_step(sum(len(s) for s in samples))
         run.worker.mark_trained(samples)
         run.rollout_metrics += run.worker.drain_metrics()
+        run.drops += run.worker.drain_drops()
 
 
 def conclude(run: Run, queued_step: tuple) -> None:
@@ -238,7 +241,8 @@ def after_step(run: Run, plans: list, trained: tuple, t_step: float, handed_back
             worker.mark_trained(samples)
         if run.eval_dataset is not None and eval_due(run.step, cfg.eval_steps):
             worker.request_eval(run.version)  # run by the worker at this version; training goes on
-        record_prompts(cfg.output_dir, run.step, samples, run.state, worker.drain_drops())
+        drops, run.drops = run.drops + ([] if handed_back else worker.drain_drops()), []
+        record_prompts(cfg.output_dir, run.step, samples, run.state, drops)
     # a queued step's wall time starts where the previous one ended (its planning overlapped that one's backward)
     now = time.perf_counter()
     step_metrics = step_summary(plans, samples, micro, info, now - max(t_step, run.step_end), optimizer_s,
@@ -292,7 +296,7 @@ def wind_down(run: Run) -> dict | None:
                         cfg.vllm_server_timeout)
         log_window(run.logger, run.step, [], rollout_metrics(run))
     if info.is_main:  # drops booked after the last step (e.g. while the epochs ran out)
-        record_prompts(cfg.output_dir, run.step, None, run.state, worker.drain_drops())
+        record_prompts(cfg.output_dir, run.step, None, run.state, run.drops + worker.drain_drops())
     if run.step == run.state["step"]:
         raise RuntimeError(no_step_message(worker))
     return worker.state_dict(run.batcher.pending()) if info.is_main and run.step > run.saved_step else None

@@ -24,6 +24,7 @@ class RecordingWorker:
     def __init__(self, events: list):
         self.events = events
         self.metrics: list = []  # what planning a step reports (train.py logs it with that step's row)
+        self.drops: list = []  # groups dropped while planning a step (booked on that step's ledger line)
 
     def set_allowance_from_step(self, tokens):
         self.events.append(("allowance", tokens))
@@ -35,7 +36,8 @@ class RecordingWorker:
         self.events.append(("trained", samples[0].model_version))  # the step number, stamped by the planner
 
     def drain_drops(self):
-        return []
+        drained, self.drops = self.drops, []
+        return drained
 
     def drain_metrics(self):
         drained, self.metrics = self.metrics, []
@@ -89,6 +91,7 @@ def _run_loop(tiny: str, tmp_path, weight_sync_steps: int, monkeypatch):
         step = len(pending_plans) and pending_plans[0][0].rows[0][0].model_version
         events.append(("plan", step))
         worker.metrics.append(("sample/planned_for_step", float(step)))
+        worker.drops.append((1000 + step, "stale"))
         return pending_plans.pop(0) if pending_plans else []
 
     monkeypatch.setattr(step_plan, "plan_step", plan_step)
@@ -129,6 +132,8 @@ def test_queued_steps_train_exactly_like_steps_concluded_at_once(tiny_qwen3, tmp
     assert [row["step"] for row in logged] == [row["step"] for row in every_logged] == list(range(1, STEPS + 1))
     # the worker's metrics from planning a step are logged with that step, not with the one before it
     assert [row["sample/planned_for_step"] for row in logged] == [float(s) for s in range(1, STEPS + 1)]
+    dropped = [json.loads(line) for line in (tmp_path / "queued" / "dropped_prompts.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompts"]) for r in dropped] == [(s, [[1000 + s, "stale"]]) for s in range(1, STEPS + 1)]
     for ours, ref in zip(logged, every_logged):
         for key in ("loss", "grad_norm", "learning_rate", "batch/trained_tokens_per_step"):
             assert ours[key] == ref[key], (ours["step"], key)
