@@ -267,8 +267,7 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
 def l2norm_leading(out: torch.Tensor, channels: int, head_dim: int) -> torch.Tensor:
     """out [N, C] with its first `channels` columns L2-normalised in groups of `head_dim` (eps 1e-6, computed in fp32
     or wider, returned in out's dtype): FLA's and transformers' query/key normalisation."""
-    n_tokens = out.shape[0]
-    acc = torch.promote_types(out.dtype, torch.float32)
+    n_tokens, acc = out.shape[0], torch.promote_types(out.dtype, torch.float32)
     qk = out[:, :channels].to(acc).reshape(n_tokens, channels // head_dim, head_dim)
     qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
     return torch.cat([qk.reshape(n_tokens, channels).to(out.dtype), out[:, channels:]], dim=1)
@@ -281,8 +280,9 @@ _COMPILED: dict = {}  # "conv": torch.compile'd `tree_conv_formula`, "gates": `g
 def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fix_index: torch.Tensor,
                       fix_window: torch.Tensor, silu: bool, qk_norm: tuple[int, int] | None = None) -> torch.Tensor:
     """`tree_causal_conv1d` as one differentiable formula over shifted row slices (the conv, the recomputed segment
-    starts, bias, SiLU, the query/key normalisation): what torch.compile fuses into a few kernels (`compile_tree_conv`). Eager, it would keep
-    K_c fp32 products for autograd; the eager path runs `_ContiguousDepthwiseConv` (saves x and the weight only).
+    starts, bias, SiLU, the query/key normalisation): what torch.compile fuses into a few kernels
+    (`compile_tree_conv`). Eager, it would keep K_c fp32 products for autograd; the eager path runs
+    `_ContiguousDepthwiseConv` (saves x and the weight only).
     x [N, C] in the weight dtype, fix_window [M, K_c] = conv_index[fix_index] (N = a zero tap) -> [N, C]."""
     n_tokens, kernel_size = x.shape[0], weight.shape[1]
     acc = torch.promote_types(weight.dtype, torch.float32)

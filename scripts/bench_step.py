@@ -13,9 +13,9 @@ Nothing here re-implements the step: the model is written to disk (random weight
 gradient-checkpointing policy, fused AdamW), micro-batches come from the real `TokenBudgetBatcher` fed with
 synthetic groups, and each step is `train_micro_batch` + `queue_optimizer_step` (grpo/step.py) with the run's
 default loss, queued and concluded as train.py's loop does: between barriers (`--sync-every`) the next step is
-planned, packed and its forward queued before the previous one is read back. Workloads (bench_packing's): groups of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4`
-shares each group's prompt (trie packing ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to
-share). Mode `plain` packs the same samples without prefix sharing (the baseline the trie is measured against; a
+planned, packed and its forward queued before the previous one is read back. Workloads (bench_packing's): groups
+of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4` shares each group's prompt (trie packing
+ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to share). Mode `plain` packs the same samples without prefix sharing (the baseline the trie is measured against; a
 bench-only switch).
 
 Columns: trained tok/s (completion tokens trained per second: the comparable number across modes), forwarded
@@ -198,9 +198,12 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
         totals = _timed_steps((policy, optimizer, scheduler, autocast), config, info, source, profiler, args, warmup)
         if profiler is not None:
             _PROFILED.append(True)
-            _print_profile(profiler, f"{args.shape} ratio {ratio} {mode} {overrides or 'defaults'}", cuda)
+            from profile_sites import print_profile
+            from trace_gaps import write_trace
+
+            print_profile(profiler, f"{args.shape} ratio {ratio} {mode} {overrides or 'defaults'}", cuda)
             if args.trace is not None:
-                _write_trace(profiler, args.trace)
+                write_trace(profiler, args.trace)
     result = _case_result(case, totals, build_s, model, policy, info, args.steps)
     del model, policy, optimizer, scheduler
     gc.collect()
@@ -219,13 +222,10 @@ def _ready_samples(vocab: int, ratio: float, top_k: int, args):
 
 
 def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: int) -> dict:
-    """`warmup` + `--steps` trainer steps (two more under `profiler` when given, after the timed ones), queued and
-    concluded as train.py's loop does (`_queue_step`, `_conclude`); sums over the timed steps: tokens (trained,
-    forwarded, raw, attended keys, head) and seconds (fwd, fwd_bwd, opt, plan, pack), and their wall time.
-
-    The timed steps' wall time runs from a device with nothing queued (the last warm-up step concluded) to the
-    last timed step's conclusion: a step queued ahead is concluded when the host gets to it, not when the device
-    finishes it, so only the whole span is a wall time (with one unoverlapped planning and forward at its start)."""
+    """`warmup` + `--steps` trainer steps (two more under `profiler` when given), queued and concluded as train.py's
+    loop does; sums over the timed steps: tokens (trained, forwarded, raw, attended, head), seconds (fwd, fwd_bwd,
+    opt, plan, pack), and their wall time: from an idle device (the last warm-up step concluded) to the last timed
+    step's conclusion (a step queued ahead is concluded when the host gets to it, so only the span is exact)."""
     from grpo.batcher import TokenBudgetBatcher
     from grpo.losses import loss_function
 
@@ -295,31 +295,6 @@ def _conclude(trainer: tuple, queued: dict, warmup: int, args, totals: dict, clo
                        ("head", m["_head_tokens"]), ("fwd", m["perf/fwd_s"]), ("fwd_bwd", m["perf/fwd_bwd_s"]),
                        ("opt", opt_s), ("plan", queued["plan_s"]), ("pack", queued["pack_s"])):
         totals[key] += value
-
-
-def _print_profile(profiler, label: str, cuda: bool) -> None:
-    print(f"PROFILE {label} (2 steps)")
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
-    from profile_sites import print_op_sites
-
-    print_op_sites(profiler, sort)
-
-
-def _write_trace(profiler, path: Path) -> None:
-    """The profiled steps as a chrome trace, gzipped to `path`.gz (the raw JSON is tens of MB), and what the host
-    ran while the GPU was idle in it (scripts/trace_gaps.py)."""
-    import gzip
-    import shutil
-
-    profiler.export_chrome_trace(str(path))
-    with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
-    path.unlink()
-    print(f"TRACE {path}.gz ({Path(f'{path}.gz').stat().st_size / 2**20:.1f} MiB)", flush=True)
-    from trace_gaps import print_report
-
-    print_report(f"{path}.gz", top=20)  # what the host did while the GPU waited (the log keeps it without the file)
 
 
 def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, n: int) -> dict:
@@ -443,7 +418,8 @@ def print_table(results: list[dict]) -> None:
     print("steps: " + ("each concluded before the next was planned (--sync-every 1: train.py with weight_sync_steps "
                        "1, without the sync itself)" if every == 1 else
                        "the next one planned, packed and its forward queued while the previous one's backward ran "
-                       f"(train.py between weight syncs; a barrier every {every or 'no'} steps)"))
+                       "(train.py between weight syncs; "
+                       + (f"a barrier every {every} steps)" if every else "no barrier but the last step)")))
     by_key = {(r["ratio"], r["mode"], json.dumps(r["overrides"])): r for r in results}
     for (ratio, mode, sets), r in by_key.items():
         plain = by_key.get((ratio, "plain", sets))

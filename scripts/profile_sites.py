@@ -72,6 +72,14 @@ def _site_namer(events):
     return key
 
 
+def print_profile(profiler, label: str, cuda: bool) -> None:
+    """The profiled steps' top kernels/ops (by self GPU time on CUDA, else self CPU time), then their op sites."""
+    print(f"PROFILE {label} (2 steps)")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+    print_op_sites(profiler, sort)
+
+
 def print_op_sites(profiler, sort: str, top: int = 25) -> None:
     """Where the eager work comes from: each `SITE_OPS` op grouped by the Python frames above it (forward) or, in
     the backward, by its autograd node and the forward op's Python site (`_site_namer`): the attribution a kernel

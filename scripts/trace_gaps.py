@@ -148,6 +148,20 @@ def print_report(path: str, min_gap_us: float = 20.0, top: int = 25) -> None:
             print(f"    {us / 1e3:9.2f} ms  {name[:150]}")
 
 
+def write_trace(profiler, path) -> None:
+    """The profiled steps as a chrome trace, gzipped to `path`.gz (the raw JSON is tens of MB), and this report on
+    it (what the host ran while the GPU waited: the log keeps it even when the file does not come back)."""
+    import shutil
+    from pathlib import Path
+
+    profiler.export_chrome_trace(str(path))
+    with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    Path(path).unlink()
+    print(f"TRACE {path}.gz ({Path(f'{path}.gz').stat().st_size / 2**20:.1f} MiB)", flush=True)
+    print_report(f"{path}.gz", top=20)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="a chrome trace (.json or .json.gz) from torch.profiler")
