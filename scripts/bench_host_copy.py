@@ -12,11 +12,15 @@ On an H200 machine's host (16 cores) the torch staging's p90 was 4.12 ms against
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from grpo.trie import to_device
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo.trie import to_device  # noqa: E402
 
 
 def torch_staging(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
