@@ -203,11 +203,15 @@ def hand_back(run: Run, plans: list) -> None:
     and keeps the worker's metrics and drops so far for that step's log and ledger line: what planning the next step
     adds belongs to that one."""
     if run.info.is_main:
-        samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
-        run.worker.set_allowance_from_step(sum(len(s) for s in samples))
-        run.worker.mark_trained(samples)
+        tell_worker_trained(run.worker, [s for p in plans for row in p.rows for s in row if s.group_id >= 0])
         run.rollout_metrics += run.worker.drain_metrics()
         run.drops += run.worker.drain_drops()
+
+
+def tell_worker_trained(worker, samples: list) -> None:
+    """The worker's run-ahead allowance from what a step consumed, and its trained groups booked."""
+    worker.set_allowance_from_step(sum(len(s) for s in samples))
+    worker.mark_trained(samples)
 
 
 def conclude(run: Run, queued_step: tuple) -> None:
@@ -234,11 +238,9 @@ def after_step(run: Run, plans: list, trained: tuple, t_step: float, handed_back
         run.sync_due = False
     samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
     if info.is_main:
-        if not handed_back:
-            worker.set_allowance_from_step(sum(len(s) for s in samples))
         worker.set_model_version(run.version)
         if not handed_back:
-            worker.mark_trained(samples)
+            tell_worker_trained(worker, samples)
         if run.eval_dataset is not None and eval_due(run.step, cfg.eval_steps):
             worker.request_eval(run.version)  # run by the worker at this version; training goes on
         drops, run.drops = run.drops + ([] if handed_back else worker.drain_drops()), []
