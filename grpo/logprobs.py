@@ -46,16 +46,19 @@ def policy_token_logprobs(
     bit-identical to a recompute) for the backward, as many whole chunks as fit in that many bytes (all M rows
     when they fit), saving one of the head's four matmuls on the kept rows; `fused` runs the full-vocabulary
     softmax passes of each chunk through torch.compile (one or two kernels over the bf16 logits instead of ~8 fp32
-    [chunk, V] passes).
+    [chunk, V] passes). With both, no sampling mask and every row's logits kept, the M rows are one block: one
+    matmul each for the logits, the hidden-state gradient and the weight gradient (no per-chunk fp32 [V, H]
+    partial sums to add up), and the backward turns the kept logits into their gradient in place.
     """
     _check_inputs(hidden, lm_head_weight, targets, temperature, top_ids, sampling_mask, chunk_size)
     index = targets.long().unsqueeze(1)  # [M, 1]
     if top_ids is not None:
         index = torch.cat([index, top_ids.long()], dim=1)  # [M, 1 + K]
     support = None if sampling_mask is None else _unique_ids(sampling_mask.long())
-    options = _HeadOptions(1.0 / temperature, chunk_size,
-                           _kept_rows(hidden.shape[0], lm_head_weight.shape[0] * hidden.element_size(), chunk_size,
-                                      keep_logits_bytes), fused)
+    m = hidden.shape[0]
+    kept_rows = _kept_rows(m, lm_head_weight.shape[0] * hidden.element_size(), chunk_size, keep_logits_bytes)
+    block = fused and support is None and kept_rows == m > 0  # every row's logits kept: one block, no chunks
+    options = _HeadOptions(1.0 / temperature, m if block else chunk_size, kept_rows, fused, block)
     logprobs, entropy = _ChunkedLogprobs.apply(hidden, lm_head_weight, index, support, options)
     policy_top_logprobs = logprobs[:, 1:] if top_ids is not None else None
     return logprobs[:, 0], policy_top_logprobs, entropy
@@ -158,6 +161,7 @@ class _HeadOptions:
     chunk_size: int
     kept_rows: int  # the first rows (whole chunks) whose logits the forward keeps for the backward
     fused: bool
+    block: bool = False  # one chunk of all M rows, kept, fused, no mask: the backward of `_block_backward`
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -200,6 +204,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_dtype = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device) if need_weight else None
+        if options.block:
+            return (*_block_backward(kept, hidden, weight, index, lse_used, grad_logprobs, options.inv_temperature,
+                                     need_hidden, need_weight), None, None, None)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for i, rows in enumerate(_chunks(hidden.shape[0], options.chunk_size)):
                 raw = kept[i] if i < len(kept) else hidden[rows] @ compute_weight.T  # [c, V]
@@ -234,21 +241,27 @@ def _chunks(total: int, size: int):
 
 
 def _accumulate_weight_grad(acc: Tensor, grad_logits_t: Tensor, hidden: Tensor) -> None:
-    """acc [V, H] (fp32) += grad_logits_t [V, c] @ hidden [c, H], the product taken in the hidden states' dtype.
-
-    bf16 operands run on the tensor cores; CUDA's `mm(out_dtype=float32)` keeps the product's fp32 accumulator
-    (no bf16 rounding of a chunk's sum), elsewhere the product is rounded to bf16 once per chunk, as any bf16
-    linear's weight gradient is. fp32 hidden states (CPU tests) keep the exact fp32 path."""
+    """acc [V, H] (fp32) += grad_logits_t [V, c] @ hidden [c, H], the product taken in the hidden states' dtype."""
     if grad_logits_t.dtype == acc.dtype:
         acc.addmm_(grad_logits_t, hidden)
-    elif acc.is_cuda and _MM_OUT_DTYPE[0]:
+    else:
+        acc.add_(_weight_product(grad_logits_t, hidden, acc.dtype))
+
+
+def _weight_product(grad_logits_t: Tensor, hidden: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad_logits_t [V, c] @ hidden [c, H] in `dtype`, the operands in the hidden states' dtype.
+
+    bf16 operands run on the tensor cores; CUDA's `mm(out_dtype=float32)` keeps the product's fp32 accumulator
+    (no bf16 rounding of a chunk's sum), elsewhere the product is rounded to bf16 once, as any bf16 linear's weight
+    gradient is. fp32 hidden states (CPU tests) keep the exact fp32 path."""
+    if grad_logits_t.dtype == dtype:
+        return torch.mm(grad_logits_t, hidden)
+    if grad_logits_t.is_cuda and _MM_OUT_DTYPE[0]:
         try:
-            acc.add_(torch.mm(grad_logits_t, hidden, out_dtype=acc.dtype))
+            return torch.mm(grad_logits_t, hidden, out_dtype=dtype)
         except (TypeError, RuntimeError, NotImplementedError):  # torch without mm(out_dtype=) on this device
             _MM_OUT_DTYPE[0] = False
-            acc.add_(grad_logits_t @ hidden)
-    else:
-        acc.add_(grad_logits_t @ hidden)
+    return (grad_logits_t @ hidden).to(dtype)
 
 
 _MM_OUT_DTYPE = [True]
@@ -275,6 +288,37 @@ def _chunk_grad_logits(logits: Tensor, index: Tensor, support: Tensor | None, ls
     return grad_logits.mul_(inv_temperature)
 
 
+def _block_backward(kept: list, hidden: Tensor, weight: Tensor, index: Tensor, lse: Tensor, grad: Tensor,
+                    inv_temperature: float, need_hidden: bool, need_weight: bool) -> tuple[Tensor | None, ...]:
+    """(grad_hidden, grad_weight) of a one-block head: the kept [M, V] logits become d loss / d logits in place
+    (they are taken from `kept`, so a second backward recomputes them), then one matmul for each gradient."""
+    compute_weight = weight.to(hidden.dtype)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        raw = kept.pop() if kept else hidden @ compute_weight.T  # [M, V]
+        grad_logits = _block_grad_logits(raw, index, lse, grad, inv_temperature)
+        grad_hidden = torch.mm(grad_logits, compute_weight) if need_hidden else None
+        grad_weight = None
+        if need_weight:
+            dtype = hidden.dtype if weight.dtype == hidden.dtype else torch.promote_types(weight.dtype, torch.float32)
+            grad_weight = _weight_product(grad_logits.T, hidden, dtype).to(weight.dtype)
+    return grad_hidden, grad_weight
+
+
+def _block_grad_logits(raw: Tensor, index: Tensor, lse: Tensor, grad: Tensor, inv_temperature: float) -> Tensor:
+    """`fused_grad_reference`'s value written over `raw` itself: the -sum(grad) p / T part by one in-place pass,
+    then the J gradient-carrying ids of each row set from values taken before it. Padding ids (-1) read and write
+    id 0 with the same value as every other entry of id 0 (repeats are summed first), so the order of the writes
+    does not matter."""
+    ids = index.clamp_min(0)  # [M, J]
+    z_ids = raw.gather(1, ids)  # before the pass overwrites them
+    neg_row_grad = -grad.sum(dim=1, keepdim=True)  # [M, 1]
+    _fused_probs_into()(raw, lse, neg_row_grad, inv_temperature)
+    repeats = (ids[:, :, None] == ids[:, None, :]).to(grad.dtype)  # [M, J, J]
+    z = z_ids.to(torch.promote_types(raw.dtype, torch.float32)) * inv_temperature
+    at_ids = torch.exp(z - lse[:, None]) * neg_row_grad + (repeats * grad[:, None, :]).sum(-1)
+    return raw.scatter_(1, ids, (at_ids * inv_temperature).to(raw.dtype))
+
+
 # ------------------------------------------------------------------ fused full-vocabulary passes (torch.compile)
 # The same quantities as _chunk_forward / _chunk_grad_logits without a sampling mask, written as pure functions
 # so inductor can fuse the upcast, temperature, logsumexp, exp, entropy and gradient into a few kernels that
@@ -297,6 +341,12 @@ def fused_grad_reference(raw: Tensor, index: Tensor, lse: Tensor, grad: Tensor, 
     return (g * inv_temperature).to(raw.dtype)
 
 
+def fused_probs_into_reference(raw: Tensor, lse: Tensor, neg_row_grad: Tensor, inv_temperature: float) -> None:
+    """raw [c, V] <- -sum(grad) p / T in raw's dtype, in place (the gradient without its scatter at the ids)."""
+    z = raw.to(torch.promote_types(raw.dtype, torch.float32)) * inv_temperature
+    raw.copy_((torch.exp(z - lse[:, None]) * neg_row_grad * inv_temperature).to(raw.dtype))
+
+
 _COMPILED: dict = {}
 
 
@@ -310,3 +360,9 @@ def _fused_grad():
     if "grad" not in _COMPILED:
         _COMPILED["grad"] = torch.compile(fused_grad_reference, dynamic=True)
     return _COMPILED["grad"]
+
+
+def _fused_probs_into():
+    if "probs_into" not in _COMPILED:
+        _COMPILED["probs_into"] = torch.compile(fused_probs_into_reference, dynamic=True)
+    return _COMPILED["probs_into"]

@@ -57,6 +57,19 @@ def checkpointing_fraction(mode, policy, model, info, token_budget: int, run_pro
     return needed / layers
 
 
+KEPT_LOGITS_SHARE = 16
+"""The log-prob head may keep its forward logits for the backward in up to 1/16 of the device's memory: 8.9 GB on
+an H200 (a whole 16k-token row of a 248k vocabulary in bf16, one block: grpo/logprobs.py), 5 GB on an 80 GB card.
+The probe above counts them like any activation."""
+
+
+def kept_logits_bytes(device: torch.device) -> int:
+    """Bytes of head logits the backward may keep on `device`; 0 off CUDA (the CPU recomputes them)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).total_memory // KEPT_LOGITS_SHARE
+
+
 def _usable_bytes(device: torch.device) -> float:
     free, _total = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device)

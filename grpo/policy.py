@@ -73,7 +73,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
     from grpo.distributed import hsdp_replicas, shard_model
     from grpo.gdn import patch_gdn_layers
     from grpo.lora import packed_forward_module, peft_config_from_run, wrap_policy
-    from grpo.memory import checkpointing_fraction, probe_samples
+    from grpo.memory import checkpointing_fraction, kept_logits_bytes, probe_samples
     from grpo.model import (aux_loss_coef, compile_layer_regions, load_policy, set_gradient_checkpointing,
                             trainable_parameters)
     from grpo.tree_attention import select_backend
@@ -91,10 +91,9 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
         log.info("torch.compile (%s): %d decoder modules (whole layers or norms, MLPs, rotary, GDN conv) and the "
                  "log-prob head's softmax passes", config.compile_scope,
                  compile_layer_regions(model, config.compile_scope))
-    cuda = info.device.type == "cuda"  # keep the head's forward logits for its backward: <= 4 GiB, counted by the probe
     policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
                           config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef),
-                          keep_logits_bytes=(4 << 30) if cuda else 0, fused_head=compile_layers)
+                          keep_logits_bytes=kept_logits_bytes(info.device), fused_head=compile_layers)
     policy = shard_model(policy, info, mixed_precision=mixed_precision,
                          replicas=hsdp_replicas(config.hsdp_replicas, info), one_process_fsdp=config.one_process_fsdp)
     autocast = ((lambda: torch.autocast(info.device.type, dtype=torch.bfloat16))

@@ -15,8 +15,8 @@ synthetic groups, and each step is `train_micro_batch` + `queue_optimizer_step` 
 default loss, queued and concluded as train.py's loop does: between barriers (`--sync-every`) the next step is
 planned, packed and its forward queued before the previous one is read back. Workloads (bench_packing's): groups
 of 8 rollouts, 1068-token prompts, 256-token completions; `--ratio 3.4` shares each group's prompt (trie packing
-ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to share). Mode `plain` packs the same samples without prefix sharing (the baseline the trie is measured against; a
-bench-only switch).
+ratio ~3.4), `--ratio 1` gives every rollout its own prompt (nothing to share). Mode `plain` packs the same samples
+without prefix sharing (the baseline the trie is measured against; a bench-only switch).
 
 Columns: trained tok/s (completion tokens trained per second: the comparable number across modes), forwarded
 tok/s, MFU (grpo/flops.py: causal attention, head on trained tokens only, peak 989 TFLOP/s bf16), peak GiB, and
@@ -24,8 +24,8 @@ the breakdown of a step in ms: fwd, bwd (fwd+bwd - fwd), head (the chunked log-p
 isolation on the same shapes), opt (clip + AdamW), host (the rest of the step's wall time: batching, packing,
 copies; with steps queued ahead it overlaps the device's work, and is near 0 when the device never waits), and
 two parts of host measured on the host's clock: plan (the batcher closing the micro-batch) and pack (`pack_samples`
-building the row, before its copy to the device). Below the table, on a GPU: the head timed again recomputing every
-chunk's logits in its backward (what keeping the forward's logits, up to 4 GiB, saves).
+building the row, before its copy to the device). Below the table, on a GPU: the head timed again with the former
+4 GiB of kept logits and recomputing them all (`HEAD_VARIANTS`: what the one-block head and keeping save).
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ SHAPES = {  # public configs' text stacks
                                    linear_value_head_dim=128, linear_conv_kernel_dim=4,
                                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
                                    tie_word_embeddings=True)),
-    # Qwen3-0.6B's 28 layers at tiny widths: on CPU the step is then mostly host work (per-op and per-compiled-call
-    # costs), the part a small model's GPU step can wait on
+    # Qwen3-0.6B's 28 layers at tiny widths: on CPU mostly host work, what a small model's GPU step can wait on
     "host-qwen3": ("qwen3", dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=28,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     "tiny": ("qwen3", dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -137,6 +136,9 @@ def next_plan(batcher, source):
     while (rows := batcher.add(next(source))) is None:
         pass
     return StepPlan(rows, sum(s.num_trained for r in rows for s in r), batcher.last_stats.as_metrics())
+
+
+HEAD_VARIANTS = {"with 4 GiB of logits kept (the budget before 2026-12-04d, chunks)": 4 << 30, "recomputing all": 0}
 
 
 def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -> float:
@@ -321,8 +323,8 @@ def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, 
                                    for l in _layers(model)),
         "fwd_ms": 1e3 * totals["fwd"] / n, "bwd_ms": 1e3 * (totals["fwd_bwd"] - totals["fwd"]) / n,
         "head_ms": head_ms(model, totals["head"] // n, head.keep_logits_bytes, head.fused_head),
-        "head_recompute_ms": head_ms(model, totals["head"] // n, 0, head.fused_head) if head.keep_logits_bytes
-        else None,  # the same head recomputing every chunk's logits in its backward (what keeping saves)
+        "head_variants_ms": {name: head_ms(model, totals["head"] // n, keep, head.fused_head)  # side by side
+                             for name, keep in HEAD_VARIANTS.items()} if head.keep_logits_bytes else {},
         "opt_ms": 1e3 * totals["opt"] / n,
         "host_ms": 1e3 * (totals["wall"] - totals["fwd_bwd"] - totals["opt"]) / n,
         "plan_ms": 1e3 * totals["plan"] / n, "pack_ms": 1e3 * totals["pack"] / n,
@@ -428,10 +430,9 @@ def print_table(results: list[dict]) -> None:
                        if r.get("flops_per_trained") and plain.get("flops_per_trained") else "")
             print(f"tree / plain at ratio {ratio} ({sets}): {r['trained_tok_s'] / plain['trained_tok_s']:.2f}x "
                   f"trained tokens/s{ceiling}")
-    for r in results:
-        if r.get("head_recompute_ms") is not None and r["head_recompute_ms"] == r["head_recompute_ms"]:  # not NaN
-            print(f"head at ratio {r['ratio']} {r['mode']}: {r['head_ms']:.1f} ms with the kept logits, "
-                  f"{r['head_recompute_ms']:.1f} ms recomputing them all")
+    for r in (r for r in results if r.get("head_variants_ms")):
+        print(f"head at ratio {r['ratio']} {r['mode']}: {r['head_ms']:.1f} ms as the policy runs it; "
+              + "; ".join(f"{ms:.1f} ms {name}" for name, ms in r["head_variants_ms"].items()))
 
 
 def main() -> None:
@@ -449,9 +450,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--first-warmup", type=int, default=4,
-                   help="extra warm-up steps for the process's first case (measured on an H200: its steps kept "
-                        "speeding up for ~5 steps, the later cases' after one, so without these the first case, "
-                        "the defaults, read 5-20 %% slow against the variants)")
+                   help="extra warm-up steps for the process's first case (on an H200 its steps kept speeding up "
+                        "for ~5 steps, later cases' after one: without these the first read 5-20 %% slow)")
     p.add_argument("--sync-every", type=int, default=0, metavar="K",
                    help="conclude every K-th step before planning the next (train.py's barrier: a weight sync with "
                         "weight_sync_steps K, a checkpoint); 1 = every step, 0 (default) = only the last. Between "

@@ -10,6 +10,16 @@ from grpo.logprobs import naive_token_logprobs, policy_token_logprobs
 M, H, V, K, C = 29, 12, 40, 5, 7
 
 
+def _eager_passes():
+    import grpo.logprobs as lp
+
+    return {"forward": lp.fused_forward_reference, "grad": lp.fused_grad_reference,
+            "probs_into": lp.fused_probs_into_reference}
+
+
+_EAGER_PASSES = _eager_passes()
+
+
 def _case(seed: int = 0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(M, H, generator=gen, dtype=dtype).requires_grad_()
@@ -173,7 +183,7 @@ def test_speed_options_give_the_same_values_and_gradients(use_mask, keep_logits_
     under torch.compile)."""
     import grpo.logprobs as lp
 
-    monkeypatch.setattr(lp, "_COMPILED", {"forward": lp.fused_forward_reference, "grad": lp.fused_grad_reference})
+    monkeypatch.setattr(lp, "_COMPILED", _EAGER_PASSES)
     hidden, weight, targets, top_ids, mask = _case()
     mask = mask if use_mask else None
     results = []
@@ -184,6 +194,27 @@ def test_speed_options_give_the_same_values_and_gradients(use_mask, keep_logits_
         results.append((*out, h.grad, w.grad))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_one_block_head_survives_a_second_backward(monkeypatch):
+    """All rows kept + fused = one block whose backward turns the kept logits into their gradient in place: a
+    second backward through the same graph (retain_graph) recomputes them and gets the same gradients, and both
+    equal the chunked path's."""
+    import grpo.logprobs as lp
+
+    monkeypatch.setattr(lp, "_COMPILED", _EAGER_PASSES)
+    hidden, weight, targets, top_ids, _ = _case()
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    out = lp.policy_token_logprobs(h, w, targets, 0.7, top_ids, chunk_size=8, keep_logits_bytes=1 << 30, fused=True)
+    loss = _finite_weighted_sum([out[0], out[1]])
+    first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w))
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref = lp.policy_token_logprobs(h2, w2, targets, 0.7, top_ids, chunk_size=8)
+    want = torch.autograd.grad(_finite_weighted_sum([ref[0], ref[1]]), (h2, w2))
+    for a, b, c in zip(first, second, want):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12)
 
 
 def test_fused_passes_compile_and_match_eager():
@@ -199,6 +230,14 @@ def test_fused_passes_compile_and_match_eager():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lp._fused_grad()(raw, index, want[2], grad, 1 / 0.7),
+                               lp.fused_grad_reference(raw, index, want[2], grad, 1 / 0.7), rtol=1e-5, atol=1e-5)
+    neg_row_grad = -grad.sum(1, keepdim=True)
+    into, eager = raw.clone(), raw.clone()
+    lp._fused_probs_into()(into, want[2], neg_row_grad, 1 / 0.7)
+    lp.fused_probs_into_reference(eager, want[2], neg_row_grad, 1 / 0.7)
+    torch.testing.assert_close(into, eager, rtol=1e-5, atol=1e-5)
+    # the in-place pass plus the scatter at the ids is the fused gradient
+    torch.testing.assert_close(lp._block_grad_logits(raw.clone(), index, want[2], grad, 1 / 0.7),
                                lp.fused_grad_reference(raw, index, want[2], grad, 1 / 0.7), rtol=1e-5, atol=1e-5)
 
 
