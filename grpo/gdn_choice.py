@@ -112,6 +112,28 @@ def install_torch_dqkwg():
     return flas_own
 
 
+def lighten_fla_launches() -> bool:
+    """Launch FLA's kernels through Triton's autotuner directly while FLA's config lookup is off (FLA_CACHE_MODE
+    unset or `disabled`, FLA's default). FLA wraps each kernel in `CachedAutotuner`, whose `run` builds a lookup key
+    of every launch's arguments (a dict of them, a dtype string per tensor) and, with the lookup off, then calls
+    Triton's `Autotuner.run` anyway: the key is built for nothing, at every launch (~20 launches per GDN layer and
+    trie level, forward and backward). Idempotent; False (nothing changed) when FLA's lookup is on or its layout
+    differs."""
+    try:
+        from fla.ops.utils import cache
+    except ImportError:
+        return False
+    mode, wrapper = getattr(cache, "FLA_CACHE_MODE", None), getattr(cache, "CachedAutotuner", None)
+    modes = getattr(cache, "FlaCacheMode", None)
+    if modes is None or wrapper is None or mode is not getattr(modes, "DISABLED", object()):
+        return False
+    base = next((c for c in wrapper.__mro__[1:] if "run" in vars(c)), None)
+    if base is None:
+        return False
+    wrapper.run = base.run
+    return True
+
+
 @dataclass(frozen=True)
 class GdnKernels:
     """The recurrence's kernel per direction: "fla" (varlen Triton) or "torch" (`chunk_gated_delta_rule`).
@@ -214,6 +236,8 @@ def gdn_kernels(choice: str, device: torch.device, heads: tuple[int, int, int, i
         with heartbeat(f"FLA's Gated DeltaNet check on {device} (Triton autotunes FLA's kernels on first use)",
                        CHECK_PROGRESS_S):
             kernels = _checked(kernels, fla_rule, device, heads)
+    if "fla" in (kernels.forward, kernels.backward):
+        lighten_fla_launches()
     log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
     _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
     return _KERNEL_CHOICE[key]

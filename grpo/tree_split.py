@@ -108,21 +108,6 @@ def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
     return dq, dk, dv
 
 
-def cudnn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """torch's cuDNN ragged (varlen) SDPA forward, the same contract as `flash_forward`: (out, lse [H, T_q] fp32,
-    aux). Causal is top-left aligned in cuDNN, so it serves equal query and key lengths only (part 1 of the
-    split); part 2 is not causal."""
-    res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False,
-                                                  scale=scale)
-    return res[0], res[1].reshape(q.shape[0], q.shape[1]).transpose(0, 1), (res[6], res[7])  # lse [T, H, 1]
-
-
-def cudnn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
-    lse_thd = lse.transpose(0, 1).unsqueeze(-1).contiguous()  # [T_q, H, 1], cuDNN's layout
-    return torch.ops.aten._cudnn_attention_backward(dout, q, k, v, out, lse_thd, aux[0], aux[1], None, cu_q, cu_k,
-                                                    max_q, max_k, 0.0, causal, scale=scale)
-
-
 # --------------------------------------------------------------------------------------------- the split
 
 @dataclass

@@ -130,6 +130,21 @@ def unguarded_step():
     return {"refused": refused, "error": error, "flag_after": chunk_o.TRITON_ABOVE_3_7_1}
 
 
+def lightened_backward():
+    """`lighten_fla_launches` (FLA's lookup off, its default): FLA's kernels launched through Triton's autotuner
+    directly, and FLA's whole backward with the torch step still equal to the torch kernel."""
+    import fla.ops.gated_delta_rule.chunk as fla_chunk
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.utils import cache
+
+    import grpo.gdn_choice as gdn_choice
+
+    lightened = gdn_choice.lighten_fla_launches()
+    fla_chunk.chunk_bwd_dqkwg = chunk_bwd_dqkwg
+    return {"lightened": lightened, "direct": cache.CachedAutotuner.run is autotuner.Autotuner.run,
+            "error": gdn_choice._check_backward(chunk_gated_delta_rule, torch.device("cpu"))}
+
+
 results = {
     "fp32 batch 2, 130 tokens (a partial chunk)": case(0, 2, 130, 2, 2, 32, 32),
     "fp32 varlen 70+5+128+64, 2 key heads of 4 value heads": case(1, 0, 0, 2, 4, 32, 16, lens=[70, 5, 128, 64]),
@@ -138,5 +153,5 @@ results = {
 }
 whole_error, broken_verdict = whole_backward()
 print(json.dumps({"dqkwg": results, "whole_backward_error": whole_error, "broken_step": broken_verdict,
-                  "unguarded": unguarded_step()}))
+                  "unguarded": unguarded_step(), "lightened": lightened_backward()}))
 shutil.rmtree(copy, ignore_errors=True)

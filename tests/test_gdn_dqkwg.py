@@ -24,8 +24,9 @@ FLA_SITE = Path(os.environ.get("GRPO_FLA_SITE", REPO / ".venv" / "fla-cpu"))
 
 def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
     """Step against step in four cases (partial chunks, varlen with grouped heads, [V, K] states, bf16), then FLA's
-    whole backward with the torch step against the torch kernel, a broken step refused by the check, and FLA's own
-    step past its Triton guard (the guard's flag back afterwards)."""
+    whole backward with the torch step against the torch kernel, a broken step refused by the check, FLA's own
+    step past its Triton guard (the guard's flag back afterwards), and the backward launched without FLA's
+    per-launch lookup key (`lighten_fla_launches`)."""
     pytest.importorskip("triton")
     if not (FLA_SITE / "fla").is_dir():
         pytest.skip(f"no fla-core in {FLA_SITE}: bash scripts/install.sh cpu (or set GRPO_FLA_SITE)")
@@ -42,6 +43,8 @@ def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
     unguarded = report["unguarded"]  # FLA's own step where its guard refuses it, then run past the guard
     assert "Triton >= 3.4.0" in unguarded["refused"], unguarded["refused"]
     assert unguarded["error"] < 1e-4 and unguarded["flag_after"] is False
+    lightened = report["lightened"]  # launched through Triton's autotuner directly, the same backward
+    assert lightened["lightened"] and lightened["direct"] and lightened["error"] < 1e-4, lightened
 
 
 def test_dqkwg_rejects_what_it_does_not_cover():
