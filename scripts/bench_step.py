@@ -22,10 +22,10 @@ Columns: trained tok/s (completion tokens trained per second: the comparable num
 tok/s, MFU (grpo/flops.py: causal attention, head on trained tokens only, peak 989 TFLOP/s bf16), peak GiB, and
 the breakdown of a step in ms: fwd, bwd (fwd+bwd - fwd), head (the chunked log-prob head alone, fwd+bwd, timed in
 isolation on the same shapes), opt (clip + AdamW), host (the rest of the step's wall time: batching, packing,
-copies; with steps queued ahead it overlaps the device's work, and is near 0 when the device never waits), and
-two parts of host measured on the host's clock: plan (the batcher closing the micro-batch) and pack (`pack_samples`
-building the row, before its copy to the device). Below the table, on a GPU: the head timed again with the former
-4 GiB of kept logits and recomputing them all (`HEAD_VARIANTS`: what the one-block head and keeping save).
+copies; with steps queued ahead it overlaps the device's work, and is near 0 when the device never waits), and on
+the host's clock: plan (the batcher closing the micro-batch), pack (`pack_samples` building the row) and queue (the
+host's time queuing the step, packing included: near the wall time per step, the step is host-bound). Below the
+table, on a GPU: the head timed again with 4 GiB of kept logits and recomputing them all (`HEAD_VARIANTS`).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: i
     loss_fn = loss_function(config.loss)
     batcher = TokenBudgetBatcher(args.token_budget, info.world_size)
     totals = dict(trained=0, forwarded=0, raw=0, attended=0, head=0, fwd=0.0, fwd_bwd=0.0, opt=0.0, wall=0.0,
-                  plan=0.0, pack=0.0)
+                  plan=0.0, pack=0.0, queue=0.0)
     clock = {"end": time.perf_counter()}  # when the last step was concluded
     timed = range(warmup, warmup + args.steps)
     n_steps, pending = warmup + args.steps + (2 if profiler is not None else 0), None
@@ -272,9 +272,12 @@ def _queue_step(trainer: tuple, config, loss_fn, batcher, source, info, step: in
     with timed_packing(packs):
         m = train_micro_batch(policy, plan.rows[info.rank], plan, loss_fn, config.loss, info.world_size, 1,
                               autocast, config.max_completion_length)
+    queue_s = time.perf_counter() - t0 - plan_s  # the host's time queuing the step (packing included), not waiting
     before_optimizer()
+    t1 = time.perf_counter()
     queued = queue_optimizer_step(policy, optimizer, config.max_grad_norm, [m["loss"]])
-    return dict(step=step, t0=t0, plan=plan, plan_s=plan_s, pack_s=sum(packs), micro=m, queued=queued)
+    return dict(step=step, t0=t0, plan=plan, plan_s=plan_s, pack_s=sum(packs), micro=m, queued=queued,
+                queue_s=queue_s + time.perf_counter() - t1)
 
 
 def _conclude(trainer: tuple, queued: dict, warmup: int, args, totals: dict, clock: dict) -> None:
@@ -295,7 +298,8 @@ def _conclude(trainer: tuple, queued: dict, warmup: int, args, totals: dict, clo
     for key, value in (("trained", plan.trained_tokens), ("forwarded", m["_forwarded"]),
                        ("raw", sum(len(s) for r in plan.rows for s in r)), ("attended", m["_attended_keys"]),
                        ("head", m["_head_tokens"]), ("fwd", m["perf/fwd_s"]), ("fwd_bwd", m["perf/fwd_bwd_s"]),
-                       ("opt", opt_s), ("plan", queued["plan_s"]), ("pack", queued["pack_s"])):
+                       ("opt", opt_s), ("plan", queued["plan_s"]), ("pack", queued["pack_s"]),
+                       ("queue", queued["queue_s"])):
         totals[key] += value
 
 
@@ -327,7 +331,7 @@ def _case_result(case: dict, totals: dict, build_s: float, model, policy, info, 
                              for name, keep in HEAD_VARIANTS.items()} if head.keep_logits_bytes else {},
         "opt_ms": 1e3 * totals["opt"] / n,
         "host_ms": 1e3 * (totals["wall"] - totals["fwd_bwd"] - totals["opt"]) / n,
-        "plan_ms": 1e3 * totals["plan"] / n, "pack_ms": 1e3 * totals["pack"] / n,
+        **{f"{k}_ms": 1e3 * totals[k] / n for k in ("plan", "pack", "queue")},
     }
 
 
@@ -345,44 +349,6 @@ def _profiler(enabled: bool):
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     return torch.profiler.profile(activities=activities, with_stack=True)
-
-
-def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int = 0) -> dict:
-    """The fast path's tree-packed log-probs (`build_policy`, no grad) against per-sample forwards of an fp32
-    eager copy of the same checkpoint (transformers' torch GDN path even where fla is installed) (4 rollouts sharing a 300-token prompt, 60-token completions), next to the
-    error an eager bf16 per-sample forward makes against the same fp32 reference: bf16 tolerance, measured."""
-    import torch
-
-    from grpo.config import AsyncGRPOConfig
-    from grpo.gdn import transformers_torch_reference
-    from grpo.model import load_policy
-    from grpo.trie import pack_samples
-    from grpo.policy import build_policy
-
-    config = dataclasses.replace(AsyncGRPOConfig(model=str(model_dir), token_budget=2048), **overrides)
-    _, policy, *_ = build_policy(config, info, 2048)
-    ref = load_policy(str(model_dir), "float32").to(info.device)
-    vocab = ref.config.get_text_config().vocab_size
-    samples = [s for s, _ in zip(synthetic_groups(vocab, True, 0, group_size=4, prompt_len=300, completion_len=60,
-                                                  seed=seed), range(4))]
-    row = pack_samples(samples).to(info.device)
-
-    def per_sample(model) -> torch.Tensor:
-        refs = []
-        for s in samples:
-            ids = torch.tensor(s.input_ids, device=info.device)[None]
-            logits = model(input_ids=ids, use_cache=False).logits[0].float() / config.temperature
-            pos = torch.tensor([i for i, m in enumerate(s.completion_mask) if m and i > 0], device=info.device)
-            refs.append(torch.log_softmax(logits[pos - 1], -1).gather(-1, ids[0, pos][:, None])[:, 0])
-        return torch.cat(refs)
-
-    with torch.no_grad(), transformers_torch_reference(ref):  # the reference never reaches an installed FLA
-        packed = policy(row).policy_logprobs.float()[torch.argsort(row.sample_id, stable=True)]
-        fp32 = per_sample(ref)
-        bf16 = per_sample(ref.to(torch.bfloat16)) if info.device.type == "cuda" else fp32
-    diff, bf16_diff = (packed - fp32).abs(), (bf16 - fp32).abs()
-    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()), "terms": int(diff.numel()),
-            "eager_bf16_max_abs_diff": float(bf16_diff.max()), "eager_bf16_mean_abs_diff": float(bf16_diff.mean())}
 
 
 def _layers(model):
@@ -408,14 +374,15 @@ def parse_overrides(items: list[str]) -> dict:
 def print_table(results: list[dict]) -> None:
     print(f"{'shape':<12} {'ratio':>5} {'mode':<6} {'set':<28} {'pack':>5} {'trained/s':>10} {'fwd tok/s':>10} "
           f"{'MFU':>6} {'peak GiB':>8} {'ckpt':>4} {'fwd':>7} {'bwd':>7} {'head':>7} {'opt':>6} {'host':>6} "
-          f"{'plan':>5} {'pack':>5}")
+          f"{'plan':>5} {'pack':>5} {'queue':>5}")
     for r in results:
         mfu_s = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         sets = ",".join(f"{k}={v}" for k, v in r["overrides"].items()) or "defaults"
         print(f"{r['shape']:<12} {r['ratio']:>5} {r['mode']:<6} {sets:<28} {r['packing_ratio']:>5.2f} "
               f"{r['trained_tok_s']:>10.0f} {r['forwarded_tok_s']:>10.0f} {mfu_s:>6} {r['peak_gib']:>8.1f} "
               f"{r['checkpointed_layers']:>4} {r['fwd_ms']:>7.0f} {r['bwd_ms']:>7.0f} {r['head_ms']:>7.0f} "
-              f"{r['opt_ms']:>6.0f} {r['host_ms']:>6.0f} {r['plan_ms']:>5.1f} {r['pack_ms']:>5.1f}")
+              f"{r['opt_ms']:>6.0f} {r['host_ms']:>6.0f} {r['plan_ms']:>5.1f} {r['pack_ms']:>5.1f} "
+              f"{r['queue_ms']:>5.0f}")
     every = results[0].get("sync_every", 0) if results else 0
     print("steps: " + ("each concluded before the next was planned (--sync-every 1: train.py with weight_sync_steps "
                        "1, without the sync itself)" if every == 1 else
@@ -478,6 +445,8 @@ def main() -> None:
     barrier(info)
     model_dir = Path(broadcast_object(str(model_dir) if model_dir else None, info))
     if args.check:
+        from bench_check import check_packed_vs_unpacked
+
         check = check_packed_vs_unpacked(model_dir, info, {})
         if info.is_main:
             print(f"CHECK {args.shape} packed vs per-sample log-probs: {json.dumps(check)}", flush=True)

@@ -16,7 +16,7 @@ import torch
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_fast_path_packed_matches_per_sample(tiny_models, kind):
-    from bench_step import check_packed_vs_unpacked
+    from bench_check import check_packed_vs_unpacked
 
     from grpo.distributed import init_distributed
 
