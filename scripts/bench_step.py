@@ -24,7 +24,8 @@ the breakdown of a step in ms: fwd, bwd (fwd+bwd - fwd), head (the chunked log-p
 isolation on the same shapes), opt (clip + AdamW), host (the rest of the step's wall time: batching, packing,
 copies; with steps queued ahead it overlaps the device's work, and is near 0 when the device never waits), and on
 the host's clock: plan (the batcher closing the micro-batch), pack (`pack_samples` building the row) and queue (the
-host's time queuing the step, packing included: near the wall time per step, the step is host-bound). Below the
+host's time queuing the step, packing included; near the wall time per step: host-bound, or the host ran ahead and
+waited on CUDA's full launch queue, which fwd against the GPU's own forward time tells apart). Below the
 table, on a GPU: the head timed again with 4 GiB of kept logits and recomputing them all (`HEAD_VARIANTS`).
 """
 
