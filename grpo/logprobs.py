@@ -200,13 +200,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # -inf outputs (padding, ids outside S_t) are constants: their incoming gradient is dropped.
         grad_logprobs = torch.where(torch.isfinite(logprobs), grad_logprobs.to(logprobs.dtype), 0.0)  # [M, J]
+        if options.block:
+            return (*_block_backward(kept, hidden, weight, index, lse_used, grad_logprobs, options.inv_temperature,
+                                     need_hidden, need_weight), None, None, None)
         compute_weight = weight.to(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_dtype = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device) if need_weight else None
-        if options.block:
-            return (*_block_backward(kept, hidden, weight, index, lse_used, grad_logprobs, options.inv_temperature,
-                                     need_hidden, need_weight), None, None, None)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for i, rows in enumerate(_chunks(hidden.shape[0], options.chunk_size)):
                 raw = kept[i] if i < len(kept) else hidden[rows] @ compute_weight.T  # [c, V]
