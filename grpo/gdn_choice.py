@@ -377,7 +377,8 @@ def _check_once(rule, device: torch.device, heads: tuple[int, int, int, int], wi
 
 TRANSFORMERS_GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                               "causal_conv1d_update")
-"""Module-level functions of transformers' GDN modelling files that it binds to FLA / causal-conv1d when those import."""
+"""Module-level functions of transformers' GDN modelling files that it binds to FLA / causal-conv1d when those
+import."""
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_check import check_packed_vs_unpacked  # noqa: E402
 from bench_patches import (BENCH_SWITCHES, inductor_cpp_wrapper, plain_packing, split_attention_eager,  # noqa: E402
                            timed_packing)
 
@@ -446,8 +447,6 @@ def main() -> None:
     barrier(info)
     model_dir = Path(broadcast_object(str(model_dir) if model_dir else None, info))
     if args.check:
-        from bench_check import check_packed_vs_unpacked
-
         check = check_packed_vs_unpacked(model_dir, info, {})
         if info.is_main:
             print(f"CHECK {args.shape} packed vs per-sample log-probs: {json.dumps(check)}", flush=True)

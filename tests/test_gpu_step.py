@@ -136,7 +136,8 @@ def _gdn_level_inputs(seed=0, h_k=2, h_v=4, d=128):
     plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
     n = row.input_ids.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    inputs = [torch.randn(n, h_k, d, device="cuda", generator=gen), torch.randn(n, h_k, d, device="cuda", generator=gen),
+    inputs = [torch.randn(n, h_k, d, device="cuda", generator=gen),
+              torch.randn(n, h_k, d, device="cuda", generator=gen),
               torch.randn(n, h_v, d, device="cuda", generator=gen),
               -torch.rand(n, h_v, device="cuda", generator=gen) * 0.3, torch.rand(n, h_v, device="cuda", generator=gen)]
     return plan, inputs, torch.randn(n, h_v, d, device="cuda", generator=gen)
