@@ -28,13 +28,9 @@ logger = logging.getLogger(__name__)
 DUMMY_ROLLOUT_ID = "dummy"
 
 
-def _loss_terms(sample: TrainingSample) -> int:
-    return int(sum(sample.completion_mask[1:]))
-
-
 def _end_marked(sample: TrainingSample) -> np.ndarray:
     """Tokens plus an end marker: sample s has a node at depth d shared with t iff s'[:d+2] == t'[:d+2]."""
-    return np.append(np.asarray(sample.input_ids, dtype=np.int64), -1)
+    return np.append(sample.ids_array(), -1)
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -67,7 +63,7 @@ class _Row:
         self.marked.append(marked)
         self.groups.add(sample.group_id)
         self.unique_tokens += length - shared
-        self.loss_terms += _loss_terms(sample)
+        self.loss_terms += sample.num_loss_terms
         self.load += _new_load(shared, length)
 
 
@@ -130,7 +126,7 @@ class TokenBudgetBatcher:
         if not row.samples:
             return True
         return (row.unique_tokens + len(sample) - shared <= self.token_budget
-                and row.loss_terms + _loss_terms(sample) <= self.token_budget)
+                and row.loss_terms + sample.num_loss_terms <= self.token_budget)
 
     def _choose(self, sample: TrainingSample, marked: np.ndarray) -> tuple[int, int] | None:
         """(row index, shared nodes) per the placement rules, or None when the micro-batch must close."""
@@ -153,7 +149,7 @@ class TokenBudgetBatcher:
         return None
 
     def add(self, sample: TrainingSample) -> list[list[TrainingSample]] | None:
-        if len(sample) > self.token_budget or _loss_terms(sample) > self.token_budget:
+        if len(sample) > self.token_budget or sample.num_loss_terms > self.token_budget:
             self.dropped_oversize_count += 1
             logger.warning("dropping a sample of %d tokens: longer than token_budget=%d (raise token_budget)",
                            len(sample), self.token_budget)

@@ -97,7 +97,42 @@ class TrainingSample:
 
     @property
     def num_trained(self) -> int:
-        return int(sum(self.completion_mask))
+        kept = self.__dict__.get("_arrays")
+        return int(kept[1].sum()) if kept is not None else int(sum(self.completion_mask))
+
+    @property
+    def num_loss_terms(self) -> int:
+        """Trained positions but position 0 (nothing predicts it): the loss terms this sample adds."""
+        kept = self.__dict__.get("_arrays")
+        return int(kept[1][1:].sum()) if kept is not None else int(sum(self.completion_mask[1:]))
+
+    def ids_array(self) -> np.ndarray:
+        """input_ids as int64: the attached array (`with_arrays`), else converted now."""
+        kept = self.__dict__.get("_arrays")
+        return kept[0] if kept is not None else _ints(self.input_ids)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids int64, completion_mask int64, sampler_logprobs float32) as numpy arrays: those `with_arrays`
+        attached, else converted now and not kept (a sample built in this process may still be edited)."""
+        kept = self.__dict__.get("_arrays")
+        return kept if kept is not None else _sample_arrays(self)
+
+    def with_arrays(self) -> TrainingSample:
+        """Attach `arrays()` to this sample; they travel with it when it is pickled. The rollout worker does this as
+        it publishes a sample, whose lists are final then, so the trainer's batcher and packer convert no lists
+        on its critical path (half of a Qwen3.5 tree row's plan + pack time on a 2-core CPU). Returns self."""
+        self.__dict__["_arrays"] = _sample_arrays(self)
+        return self
+
+
+def _ints(values) -> np.ndarray:
+    if isinstance(values, np.ndarray):
+        return values.astype(np.int64, copy=False)
+    return np.fromiter(values, dtype=np.int64, count=len(values))  # ~25% faster than asarray on lists
+
+
+def _sample_arrays(sample: TrainingSample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _ints(sample.input_ids), _ints(sample.completion_mask), np.asarray(sample.sampler_logprobs, np.float32)
 
 
 @dataclass

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.samples import TrainingSample
+
 
 @dataclass(frozen=True)
 class SharedState:
@@ -63,9 +65,10 @@ class SharedState:
             self.heartbeat.value = time.time()
 
     def put_sample(self, item) -> None:
-        """Publish a training sample or a `ConsumedGroup` to the trainer (dropped when nobody listens)."""
+        """Publish a training sample (with its numpy arrays attached: `TrainingSample.with_arrays`) or a
+        `ConsumedGroup` to the trainer (dropped when nobody listens)."""
         if self.samples is not None:
-            self.samples.put(item)
+            self.samples.put(item.with_arrays() if isinstance(item, TrainingSample) else item)
 
 
 @dataclass(frozen=True)

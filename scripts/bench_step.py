@@ -218,11 +218,12 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
 
 def _ready_samples(vocab: int, ratio: float, top_k: int, args):
     """All the run's samples, generated before timing (train.py gets its samples ready-made from the rollout
-    worker): shared prompts when `ratio` > 1.5."""
+    worker, with their numpy arrays attached as it publishes them): shared prompts when `ratio` > 1.5."""
     per_step = 3 * args.token_budget // args.prompt_len + 16
-    return iter(list(itertools.islice(synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k,
-                                                       prompt_len=args.prompt_len, completion_len=args.completion_len),
-                                      per_step * (args.warmup + args.first_warmup + args.steps + 3))))
+    samples = itertools.islice(synthetic_groups(vocab, shared=ratio > 1.5, top_k=top_k, prompt_len=args.prompt_len,
+                                                completion_len=args.completion_len),
+                               per_step * (args.warmup + args.first_warmup + args.steps + 3))
+    return iter([s.with_arrays() for s in samples])
 
 
 def _timed_steps(trainer: tuple, config, info, source, profiler, args, warmup: int) -> dict:

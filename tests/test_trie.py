@@ -213,3 +213,40 @@ def test_plans_from_the_host_twin_equal_plans_from_the_row():
             assert (a.parent_slot is None) == (b.parent_slot is None)
             assert a.parent_slot is None or torch.equal(a.parent_slot, b.parent_slot)
             assert a.flat_range == b.flat_range
+
+
+@pytest.mark.parametrize("kind", ["shared_prompt", "multi_turn", "nothing_shared"])
+def test_samples_published_with_arrays_pack_and_batch_the_same(kind):
+    """What the rollout worker publishes (`with_arrays`, then a pickle round trip to the trainer) packs into the same
+    row and closes the same micro-batches as the samples' lists; `arrays()` is their conversion; packing leaves
+    the attached arrays as they were (a mask edited in place would change the next row)."""
+    import pickle
+
+    from grpo.batcher import TokenBudgetBatcher
+
+    rng = random.Random(7)
+    samples = random_row_samples(rng, kind)
+    samples[0].completion_mask[0] = 1  # marked but never a loss term: packing must not clear it in place
+    sent = [pickle.loads(pickle.dumps(TrainingSample(**{f: getattr(s, f) for f in s.__dataclass_fields__})
+                                      .with_arrays())) for s in samples]
+    for s, t in zip(samples, sent):
+        ids, mask, logprobs = t.arrays()
+        assert "_arrays" in t.__dict__ and "_arrays" not in s.__dict__  # travelled; the lists' sample kept none
+        assert ids.tolist() == list(s.input_ids) and mask.tolist() == list(s.completion_mask)
+        np.testing.assert_array_equal(logprobs, np.asarray(s.sampler_logprobs, dtype=np.float32))
+        assert t.num_trained == s.num_trained and repr(t) == repr(s)  # fields only: the arrays are not shown
+    before = [a.copy() for t in sent for a in t.arrays()]
+    want, got = pack_samples(samples), pack_samples(sent)
+    for name in ("input_ids", "position_ids", "shift_labels", "token_index", "targets", "sampler_logprobs",
+                 "advantages", "sample_id", "kv_index", "cu_seqlens_q"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for a, b in zip(before, (a for t in sent for a in t.arrays())):
+        np.testing.assert_array_equal(a, b)
+    plans = []
+    for batch in (samples, sent):
+        batcher, closed = TokenBudgetBatcher(64, 1), []
+        for s in batch:
+            if (rows := batcher.add(s)) is not None:
+                closed.append([[x.key for x in r] for r in rows])
+        plans.append(closed)
+    assert plans[0] == plans[1]
