@@ -1,7 +1,7 @@
 """Tree packing vs plain padding-free packing: trained tokens/s, fwd+bwd MFU and peak memory, side by side.
 
     python scripts/bench_packing.py                       # GPU table (Qwen3-0.6B and 1.7B shapes) + CPU packing
-    python scripts/bench_packing.py --cpu-only            # only the CPU trie-pack throughput
+    python scripts/bench_packing.py --cpu-only            # only the CPU packing and batching, lists vs arrays
 
 Random-weight bf16 models built from Qwen3Config (no download). Workloads: groups of `group_size` rollouts
 sharing a prompt, sized so the trie packing ratio is ~3.4 (prompt ~4.2x the completion), and the same token
@@ -152,18 +152,35 @@ def gpu_table(args):
 
 
 def cpu_pack_throughput(args):
+    """pack_samples per row, and the batcher closing the rows, for samples as lists and as the rollout worker
+    publishes them (numpy arrays attached, then pickled across: `TrainingSample.with_arrays`), side by side."""
+    import pickle
+
+    from grpo.batcher import TokenBudgetBatcher
+
     for label, shared in (("ratio~3.4", True), ("ratio~1", False)):
         groups = make_groups(64, args.group_size, args.prompt_len, args.completion_len, shared, seed=1)
-        rows = fill_rows(groups[:8], args.token_budget, True)
-        raw = sum(len(s) for r in rows for s in r)
-        start = time.perf_counter()
-        reps = 5
-        for _ in range(reps):
-            for r in rows:
-                pack_samples(r)
-        elapsed = (time.perf_counter() - start) / reps
-        print(f"cpu pack_samples {label}: {raw / elapsed / 1e6:.2f} M raw tokens/s "
-              f"({len(rows)} rows of {raw / len(rows):.0f} raw tokens, {elapsed / len(rows) * 1e3:.1f} ms/row)")
+        for form in ("lists", "as published"):
+            samples = [s for g in groups[:8] for s in g]
+            if form == "as published":
+                samples = [pickle.loads(pickle.dumps(s.with_arrays())) for s in samples]
+            rows = fill_rows([samples], args.token_budget, True)
+            raw = sum(len(s) for r in rows for s in r)
+            reps = 5
+            start = time.perf_counter()
+            for _ in range(reps):
+                batcher = TokenBudgetBatcher(args.token_budget, 1)
+                for sample in samples:
+                    batcher.add(sample)
+            plan_s = (time.perf_counter() - start) / reps
+            start = time.perf_counter()
+            for _ in range(reps):
+                for r in rows:
+                    pack_samples(r)
+            elapsed = (time.perf_counter() - start) / reps
+            print(f"cpu {label}, samples {form}: pack_samples {raw / elapsed / 1e6:.2f} M raw tokens/s "
+                  f"({len(rows)} rows of {raw / len(rows):.0f} raw tokens, {elapsed / len(rows) * 1e3:.1f} ms/row); "
+                  f"batcher {plan_s / len(rows) * 1e3:.1f} ms/row")
 
 
 def main():
