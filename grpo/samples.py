@@ -97,24 +97,24 @@ class TrainingSample:
 
     @property
     def num_trained(self) -> int:
-        kept = self.__dict__.get("_arrays")
+        kept = self._attached()
         return int(kept[1].sum()) if kept is not None else int(sum(self.completion_mask))
 
     @property
     def num_loss_terms(self) -> int:
         """Trained positions but position 0 (nothing predicts it): the loss terms this sample adds."""
-        kept = self.__dict__.get("_arrays")
+        kept = self._attached()
         return int(kept[1][1:].sum()) if kept is not None else int(sum(self.completion_mask[1:]))
 
     def ids_array(self) -> np.ndarray:
         """input_ids as int64: the attached array (`with_arrays`), else converted now."""
-        kept = self.__dict__.get("_arrays")
+        kept = self._attached()
         return kept[0] if kept is not None else _ints(self.input_ids)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids int64, completion_mask int64, sampler_logprobs float32) as numpy arrays: those `with_arrays`
         attached, else converted now and not kept (a sample built in this process may still be edited)."""
-        kept = self.__dict__.get("_arrays")
+        kept = self._attached()
         return kept if kept is not None else _sample_arrays(self)
 
     def with_arrays(self) -> TrainingSample:
@@ -123,6 +123,9 @@ class TrainingSample:
         on its critical path (half of a Qwen3.5 tree row's plan + pack time on a 2-core CPU). Returns self."""
         self.__dict__["_arrays"] = _sample_arrays(self)
         return self
+
+    def _attached(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        return self.__dict__.get("_arrays")  # not a dataclass field: no part of ==, repr or asdict
 
 
 def _ints(values) -> np.ndarray:
