@@ -15,16 +15,18 @@ o_t = S_t q_t. In a packed trie a token's history is its path, not the packed po
 Kernels of the recurrence (`gdn_kernels` in grpo/gdn_choice.py picks them per device, forward and backward judged
 separately, and logs the choice once):
 
-- `chunk_gated_delta_rule`, this project's torch kernel (grpo/gdn_kernel.py): 64-token chunks in the WY/UT form of the Gated DeltaNet
-  paper (arXiv 2412.06464; FLA's chunk algorithm). Everything inside a chunk is batched matmuls over all chunks
-  of all segments of a level at once; the only sequential work is one [D_k, D_k] x [D_k, D_v] matmul per chunk
-  (`_ChunkScan`, which has a hand-written reverse scan as its backward; the rest is autograd). A level's
+- `chunk_gated_delta_rule`, this project's torch kernel (grpo/gdn_kernel.py): 64-token chunks in the WY/UT form of
+  the Gated DeltaNet paper (arXiv 2412.06464; FLA's chunk algorithm). Everything inside a chunk is batched matmuls
+  over all chunks of all segments of a level at once; the only sequential work is one [D_k, D_k] x [D_k, D_v] matmul
+  per chunk (`_ChunkScan`, which has a hand-written reverse scan as its backward; the rest is autograd). A level's
   segments are right-padded to a multiple of 64 past its longest one with g = 0, beta = 0, k = q = v = 0, which
   leaves the state unchanged, so final states are exact (padding costs compute, not correctness).
 - `sequential_gated_delta_rule`: the token-by-token recurrence, the reference the chunked kernel is tested against.
-- FLA's varlen `chunk_gated_delta_rule` (`pip install fla-core`): a level's segments concatenated (`cu_seqlens`,
-  one initial state per segment), no padding. Used only in the directions `fla_directions` accepts on the
-  running Triton/GPU (its gated chunk backward is wrong with Triton >= 3.4, < 3.7.1 on Hopper).
+- FLA's Triton kernels (`pip install fla-core`), no padding, in the directions `fla_directions` accepts on the
+  running Triton/GPU (its gated chunk backward is wrong with Triton >= 3.4, < 3.7.1 on Hopper), through
+  grpo/gdn_fla.py: its chunk pipeline once over the row with only its state kernels per level (`FlaTreeRule`,
+  where this fla-core's internals are the known ones and it passed its check on the GPU), else FLA's public varlen
+  `chunk_gated_delta_rule` once per level (a level's segments concatenated, one initial state per segment).
 
 The torch path never calls transformers' `torch_chunk_gated_delta_rule`: transformers binds that name to FLA's
 kernel whenever `fla` is importable, so `gdn_kernel=torch` would silently run FLA.
@@ -51,6 +53,8 @@ import torch.nn.functional as F
 
 from grpo.gdn_choice import (FLA_BAD_BACKWARD_TRITON, TRANSFORMERS_GDN_FUNCTIONS,  # noqa: F401 (re-exported)
                              GdnKernels, choose_gdn_kernels, fla_directions, gdn_kernels, transformers_torch_reference)
+from grpo.gdn_fla import (fla_tree_kernels, tree_fla_gated_delta_rule,  # noqa: F401 (re-exported)
+                          tree_varlen_gated_delta_rule)
 from grpo.gdn_kernel import (CHUNK, chunk_gated_delta_rule, compile_chunk_regions,  # noqa: F401 (re-exported)
                              sequential_gated_delta_rule, unit_lower_inverse)
 
@@ -81,6 +85,10 @@ class TreeScanPlan:
     levels: list[LevelPlan]
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
     order: torch.Tensor  # [N] packed position of each level-major slot: unpermute's inverse
+    seg_cu_seqlens: torch.Tensor  # [S + 1] long, segment bounds in the level-major order (FLA's cu_seqlens)
+    chunk_indices: torch.Tensor  # [NT, 2] long, (segment, chunk within it) of each 64-token chunk, level-major
+    chunk_offsets: torch.Tensor  # [S + 1] long, each segment's first chunk in chunk_indices
+    level_segments: tuple[int, ...]  # first segment of each level in the level-major order, then S
     level_major: bool = False  # True when that concatenation is the row itself (both are the identity)
 
     def to(self, device, packed: bool | None = None) -> TreeScanPlan:
@@ -90,7 +98,8 @@ class TreeScanPlan:
         from grpo.trie import to_device
 
         level_fields = ("gather_index", "valid", "valid_index", "parent_slot", "flat_index", "cu_seqlens")
-        heads = ("conv_index", "conv_fix_index", "unpermute", "order")
+        heads = ("conv_index", "conv_fix_index", "unpermute", "order", "seg_cu_seqlens", "chunk_indices",
+                 "chunk_offsets")
         flat = [getattr(self, name) for name in heads]
         flat += [getattr(level, name) for level in self.levels for name in level_fields]
         moved = iter(to_device(flat, device, packed))
@@ -162,9 +171,24 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
     conv_index = _conv_index_table(token_pred.cpu().numpy(), kernel_size)
     stops = [p.flat_range for p in plans]
     level_major = all(r is not None for r in stops) and [r[0] for r in stops] == [0] + [r[1] for r in stops[:-1]]
+    segs = np.concatenate([np.asarray(s, dtype=np.int64) for s in by_level]) if by_level else np.zeros(0, np.int64)
+    lengths = bounds[segs + 1] - bounds[segs]  # [S] level-major
     plan = TreeScanPlan(torch.from_numpy(conv_index), torch.from_numpy(_conv_fix_index(conv_index)), plans,
-                        torch.from_numpy(unpermute), torch.from_numpy(order), level_major)
+                        torch.from_numpy(unpermute), torch.from_numpy(order), *_chunk_tables(lengths),
+                        tuple(np.cumsum([0] + [len(s) for s in by_level]).tolist()), level_major)
     return plan if token_pred.device.type == "cpu" else plan.to(token_pred.device)
+
+
+def _chunk_tables(lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens [S + 1], chunk_indices [NT, 2], chunk_offsets [S + 1]) of segments of `lengths` laid end to end,
+    as FLA's varlen kernels index them: (segment, chunk within the segment) for every 64-token chunk."""
+    chunks = -(-lengths // CHUNK)  # [S]
+    offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)  # [S + 1]
+    seg_of_chunk = np.repeat(np.arange(len(lengths), dtype=np.int64), chunks)  # [NT]
+    chunk_in_seg = np.arange(offsets[-1], dtype=np.int64) - offsets[seg_of_chunk]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return (torch.from_numpy(cu), torch.from_numpy(np.stack([seg_of_chunk, chunk_in_seg], axis=1)),
+            torch.from_numpy(offsets))
 
 
 def _level_plan(bounds: np.ndarray, segs: np.ndarray, n_tokens: int, parent_slot: list[int] | None) -> LevelPlan:
@@ -324,22 +348,6 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
-class _Permute(torch.autograd.Function):
-    """x[perm] along dim 0 for a permutation `perm` of x's rows, whose backward is the gather by its inverse: no
-    zero-filled gradient, no `index_add_` (index_select's backward: a scatter with atomic adds, which took 23 ms of
-    a Qwen3.5-2B tree step's backward on an H200, 2026-12-04)."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: TreeScanPlan) -> torch.Tensor:
     """A padded-batch gated delta rule over a segment tree, one `chunk_rule` call per level.
 
@@ -356,35 +364,6 @@ def tree_chunk_gated_delta_rule(chunk_rule, query, key, value, g, beta, plan: Tr
                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
         outputs.append(_take(out_l.flatten(0, 1), level.valid_index))  # [n_level, H, D_v]
     return _take(torch.cat(outputs), plan.unpermute)  # [N, H, D_v]
-
-
-def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan: TreeScanPlan,
-                                 use_qk_l2norm_in_kernel: bool = True) -> torch.Tensor:
-    """The same recurrence through a varlen kernel (FLA's `chunk_gated_delta_rule` with `cu_seqlens` and one
-    initial state per segment): one call per level, no padding, grouped q/k heads passed as they are. The inputs are
-    put in level-major order once (each level then a slice; nothing to do when the row is in that order already)
-    and the output back in the row's, both as permutations (`_Permute`).
-
-    query/key [N, H_k, D_k], value [N, H_v, D_v], g/beta [N, H_v]; returns [N, H_v, D_v]. `use_qk_l2norm_in_kernel`
-    False: query and key come normalised (the tree conv's `qk_norm`), so the kernel does not launch its own.
-    """
-    inputs = (query, key, value, g, beta)
-    if not plan.level_major:
-        inputs = tuple(_Permute.apply(t, plan.order, plan.unpermute) for t in inputs)
-    outputs, final_states, start = [], None, 0
-    for level in plan.levels:
-        stop = start + int(level.cu_seqlens_cpu[-1])
-        q_l, k_l, v_l, g_l, beta_l = (t[start:stop].contiguous()[None] for t in inputs)  # a copy only for views
-        initial_state = None if level.parent_slot is None else _take(final_states, level.parent_slot)  # [B, H, ..]
-        out_l, final_states = varlen_rule(q_l, k_l, v_l, g=g_l, beta=beta_l, initial_state=initial_state,
-                                          output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                          cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
-        outputs.append(out_l.squeeze(0))  # [n_level, H, D_v] (squeeze: a view backward, not a zero-fill + copy)
-        start = stop
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, D_v] level-major
-    if plan.level_major:
-        return out
-    return _Permute.apply(out, plan.unpermute, plan.order)  # [N, H, D_v]
 
 
 def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> torch.Tensor:
@@ -410,7 +389,9 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     z = layer.in_proj_z(x).reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
     g, beta = _COMPILED.get("gates", gdn_gates)(layer.in_proj_a(x), layer.in_proj_b(x), layer.A_log,
                                                 layer.dt_bias)  # [N, H_v] each
-    if fla:
+    if fla and kernels.one_pass:
+        core_attn_out = tree_fla_gated_delta_rule(query, key, value, g, beta, plan)
+    elif fla:
         core_attn_out = tree_varlen_gated_delta_rule(fla_rule, query, key, value, g, beta, plan,
                                                      use_qk_l2norm_in_kernel=False)
     else:

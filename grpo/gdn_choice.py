@@ -148,6 +148,7 @@ class GdnKernels:
     reason: str
     torch_dqkwg: bool = False
     unguarded_dqkwg: bool = False  # FLA's own dqkwg step past its guard (`unguarded_fla_dqkwg`), checked here
+    one_pass: bool = False  # FLA runs a trie row in one pass (grpo/gdn_fla.py `FlaTreeRule`), checked here
 
     def for_forward(self, needs_grad: bool) -> str:
         return self.backward if needs_grad else self.forward
@@ -163,6 +164,9 @@ class GdnKernels:
             bwd += " with its chunk_bwd_dqkwg step in torch (grpo/gdn_dqkwg.py)"
         if self.unguarded_dqkwg and self.backward == "fla":
             bwd += " with its own chunk_bwd_dqkwg run past its Triton guard (checked on this GPU)"
+        if "fla" in (self.forward, self.backward):
+            bwd += ("; fla in one pass per trie row, its state kernels per level" if self.one_pass
+                    else "; fla called once per trie level")
         return f"forward {fwd}; backward {bwd} ({self.reason})"
 
 
@@ -238,6 +242,7 @@ def gdn_kernels(choice: str, device: torch.device, heads: tuple[int, int, int, i
             kernels = _checked(kernels, fla_rule, device, heads)
     if "fla" in (kernels.forward, kernels.backward):
         lighten_fla_launches()
+        kernels = _settle_one_pass(kernels, fla_rule, device, heads)
     log.info("Gated DeltaNet recurrence on %s (gdn_kernel=%s): %s", device, choice, kernels.describe())
     _KERNEL_CHOICE[key] = (kernels, fla_rule if kernels.forward == "fla" else None)
     return _KERNEL_CHOICE[key]
@@ -291,6 +296,54 @@ def _backward_to_torch(kernels: GdnKernels, fla_rule, device: torch.device, fail
     if _forward_probe_passes(fla_rule, device):
         return GdnKernels("fla", "torch", f"{kernels.reason}; {failed}")
     return GdnKernels("torch", "torch", failed)
+
+
+def _settle_one_pass(kernels: GdnKernels, fla_rule, device: torch.device, heads: tuple[int, ...]) -> GdnKernels:
+    """`kernels` with `one_pass` on where grpo/gdn_fla.py's one-pass tree rule runs with this fla-core and equals
+    FLA's public kernel called per trie level (itself checked against the torch kernel above) on a small tree row at
+    `heads` (`_check_one_pass`); else unchanged, the reason added."""
+    from grpo.gdn_fla import fla_tree_kernels
+
+    if fla_tree_kernels() is None:
+        return replace(kernels, reason=f"{kernels.reason}; this fla-core's state kernels take other arguments "
+                                       "than grpo/gdn_fla.py launches them with")
+    try:
+        _check_one_pass(fla_rule, device, heads, backward=kernels.backward == "fla")
+    except Exception as exc:  # noqa: BLE001 - any failure or mismatch: FLA's public kernel per level, as before
+        return replace(kernels, reason=f"{kernels.reason}; {_failure('FLA in one pass per row', exc)}")
+    return replace(kernels, one_pass=True)
+
+
+def _check_one_pass(fla_rule, device: torch.device, heads: tuple[int, int, int, int], backward: bool) -> float:
+    """The one-pass tree rule against FLA's public kernel per level on a two-level row in DFS order (two roots of
+    64 and 20 tokens, a 40- and a 20-token child; `_probe_inputs`' 144 tokens, q and k L2-normalised as the tree
+    conv hands them over): the output and, with `backward`, the q, k, v, g, beta gradients within 1e-2 of each
+    value's scale (both run FLA's kernels on the same chunks, so they agree to rounding); returns the largest error,
+    raises RuntimeError above it."""
+    from grpo.gdn import plan_tree_scan
+    from grpo.gdn_fla import tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule
+
+    token_pred = torch.arange(-1, 143)
+    token_pred[[64, 104, 124]] = torch.tensor([63, -1, 123])
+    plan = plan_tree_scan(token_pred.to(device), torch.tensor([0, 64, 104, 124, 144], device=device),
+                          torch.tensor([-1, 0, -1, 2], device=device), 4)
+    inputs = [t.squeeze(0) for t in _probe_inputs(device, backward, heads)[:5]]
+    weights = torch.randn(144, heads[1], heads[3], generator=torch.Generator().manual_seed(2)).to(device)
+    results = []
+    for run in (lambda *t: tree_fla_gated_delta_rule(*t, plan),
+                lambda *t: tree_varlen_gated_delta_rule(fla_rule, *t, plan, use_qk_l2norm_in_kernel=False)):
+        leaves = [t.detach().clone().requires_grad_(backward) for t in inputs]
+        with torch.set_grad_enabled(backward):
+            q, k = (x * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6).to(x.dtype) for x in leaves[:2])
+            out = run(q, k, *leaves[2:])
+        grads = torch.autograd.grad((out.float() * weights).sum(), leaves) if backward else []
+        results.append([out.detach().float()] + [g.float() for g in grads])
+    errors = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(*results)]
+    if max(errors) > 1e-2:
+        names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
+        raise RuntimeError("differs from FLA per trie level: "
+                           + ", ".join(f"{n} {e:.3g}" for n, e in zip(names, errors)))
+    return max(errors)
 
 
 CHECK_PROGRESS_S = 30.0

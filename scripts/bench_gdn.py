@@ -2,6 +2,7 @@
 
     python scripts/bench_gdn.py                          # Qwen3.5-2B GDN shapes, tree (ratio 3.4) and plain rows
     python scripts/bench_gdn.py --variants torch fla --compile
+    python scripts/bench_gdn.py --variants fla-own fla-one-pass    # FLA per trie level vs in one pass per row
     python scripts/bench_gdn.py --device cpu --token-budget 1500 --prompt-len 300 --completion-len 60   # smoke test
     python scripts/bench_gdn.py --conv --variants torch  # also the tree conv vs its gather definition, side by side
 
@@ -112,7 +113,7 @@ def variants(names: list[str], device):
             from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
             out[name] = (padded(torch_chunk_gated_delta_rule), True, "")
-        elif name in ("fla", "fla-own"):
+        elif name in ("fla", "fla-own", "fla-one-pass"):
             if device.type != "cuda" or not fla_importable:
                 print(f"{name}: skipped (needs CUDA and fla-core)")
                 continue
@@ -126,7 +127,10 @@ def _fla_variant(name: str, device):
     """FLA's varlen kernels. Where FLA refuses its gated dqkwg step (Triton >= 3.4, < 3.7.1 on Hopper), `fla` runs
     that step in torch (grpo/gdn_dqkwg.py) and `fla-own` runs FLA's own past its guard (grpo/gdn_choice.py's
     `unguarded_fla_dqkwg`; the error columns say whether it is right at these head sizes). The step is put in at
-    each call: the two variants share FLA's module."""
+    each call: the variants share FLA's module. `fla-one-pass` is grpo/gdn_fla.py's one-pass tree rule (FLA's chunk
+    pipeline once per row, its state kernels per level; FLA's own dqkwg step past its guard where it is refused, as
+    `fla-own`), q and k L2-normalised by torch before it (the trainer normalises them in the tree conv); `fla` and
+    `fla-own` call FLA once per level with its in-kernel normalisation."""
     import torch
     import triton
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
@@ -148,6 +152,10 @@ def _fla_variant(name: str, device):
                 if backward_ok else f"backward refused: {reason}")
         print(f"{name}: {note}")
     rule = functools.partial(gdn.tree_varlen_gated_delta_rule, fla_rule)
+    if name == "fla-one-pass":
+        if gdn.fla_tree_kernels() is None:
+            raise SystemExit("fla-one-pass: this fla-core's state kernels are not the ones grpo/gdn_fla.py launches")
+        rule = _one_pass_rule
     if step is None:
         return rule, backward_ok, note
 
@@ -156,6 +164,16 @@ def _fla_variant(name: str, device):
         return rule(*args, **kwargs)
 
     return with_step, backward_ok, note
+
+
+def _one_pass_rule(q, k, v, g, beta, plan):
+    """grpo/gdn_fla.py's one-pass rule with q and k L2-normalised first (FLA's formula), as the tree conv does."""
+    import torch
+
+    from grpo.gdn import tree_fla_gated_delta_rule
+
+    q, k = (x * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6).to(x.dtype) for x in (q, k))
+    return tree_fla_gated_delta_rule(q, k, v, g, beta, plan)
 
 
 def sync(device):
@@ -349,8 +367,9 @@ def main() -> None:
     p.add_argument("--shape", default="Qwen3.5-2B", choices=[s for s, (kind, _) in SHAPES.items() if kind == "qwen3_5"])
     p.add_argument("--rows", nargs="+", default=["tree", "plain"], choices=["tree", "plain"])
     p.add_argument("--variants", nargs="+",
-                   default=["torch", "torch-fp32mm", "sequential", "transformers", "fla", "fla-own"],
-                   choices=["torch", "torch-fp32mm", "torch-compiled", "sequential", "transformers", "fla", "fla-own"])
+                   default=["torch", "torch-fp32mm", "sequential", "transformers", "fla", "fla-own", "fla-one-pass"],
+                   choices=["torch", "torch-fp32mm", "torch-compiled", "sequential", "transformers", "fla", "fla-own",
+                            "fla-one-pass"])
     p.add_argument("--compile", action="store_true", help="also time torch-compiled (runs last: it compiles "
                                                           "grpo.gdn's regions for the rest of the process)")
     p.add_argument("--token-budget", type=int, default=16384)

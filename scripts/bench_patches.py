@@ -22,11 +22,29 @@ def plain_packing():
         trie.pack_samples, batcher._Row.shared_nodes = pack, shared
 
 
-BENCH_SWITCHES = ("bench_split_in_graph", "bench_cpp_wrapper")
+BENCH_SWITCHES = ("bench_split_in_graph", "bench_cpp_wrapper", "bench_gdn_per_level")
 """`--set` keys that are bench switches, not config fields: `bench_split_in_graph=false` runs flash_split as the
 eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op), so the
 two can be timed side by side in one process; `bench_cpp_wrapper=true` compiles with inductor's C++ wrapper
-(`inductor_cpp_wrapper`)."""
+(`inductor_cpp_wrapper`); `bench_gdn_per_level=true` runs FLA's public kernel once per trie level in each Gated
+DeltaNet layer (`gdn_per_level`, the path before the nineteenth session's one-pass rule, 2026-12-04)."""
+
+
+@contextlib.contextmanager
+def gdn_per_level():
+    """Bench-only: the Gated DeltaNet kernels are chosen afresh inside without the one-pass rule, so grpo/gdn.py's
+    tree forward calls FLA's public `chunk_gated_delta_rule` once per trie level (`tree_varlen_gated_delta_rule`);
+    chosen afresh again after."""
+    import grpo.gdn_choice as gdn_choice
+
+    settle = gdn_choice._settle_one_pass
+    gdn_choice._KERNEL_CHOICE.clear()
+    gdn_choice._settle_one_pass = lambda kernels, *args: kernels
+    try:
+        yield
+    finally:
+        gdn_choice._settle_one_pass = settle
+        gdn_choice._KERNEL_CHOICE.clear()
 
 
 @contextlib.contextmanager

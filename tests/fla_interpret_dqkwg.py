@@ -11,40 +11,21 @@ where its guard refuses it, and past that guard (`unguarded_fla_dqkwg`).
 argv: repo, the folder holding `fla` (fla-core installed with --target). The interpreter cannot time kernels, so
 FLA's autotuned kernels run their first configuration. Its bf16 arithmetic is not Hopper's, so the bf16 cases
 hand FLA the fp32 values of the same bf16 inputs (the torch version rounds where the kernel does; the two then
-differ by that rounding alone). The interpreter hands a kernel's `for` loop variables over as Python ints, which
-have no `.to`: FLA is run from a temporary copy where the state kernels' `i_t.to(tl.int64)` reads
-`tl.full([], i_t, tl.int64)` (the same value).
+differ by that rounding alone). The interpreter set-up (and its fix to FLA's state kernels) is tests/fla_interpret.py.
 """
 
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"
-repo, fla_site = sys.argv[1:3]
-copy = Path(tempfile.mkdtemp(prefix="fla-interpret-"))
-shutil.copytree(Path(fla_site) / "fla", copy / "fla")
-state_kernels = copy / "fla" / "ops" / "common" / "chunk_delta_h.py"
-source = state_kernels.read_text()
-assert "i_t.to(tl.int64)" in source, "this fla-core's state kernels changed: update the interpreter fix"
-state_kernels.write_text(source.replace("i_t.to(tl.int64)", "tl.full([], i_t, tl.int64)"))
-sys.path[:0] = [str(copy), repo]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fla_interpret import interpret_fla  # noqa: E402
+
+copy = interpret_fla(*sys.argv[1:3])
 
 import torch  # noqa: E402
 import triton.runtime.autotuner as autotuner  # noqa: E402
-
-_run = autotuner.Autotuner.run
-
-
-def _first_config(self, *args, **kwargs):
-    self.configs = self.configs[:1]
-    return _run(self, *args, **kwargs)
-
-
-autotuner.Autotuner.run = _first_config
 
 from fla.ops.common.chunk_o import chunk_bwd_dqkwg as fla_dqkwg  # noqa: E402
 

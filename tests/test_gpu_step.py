@@ -177,7 +177,8 @@ def test_chunked_torch_kernel_on_gpu_matches_fp32_reference():
 
 @pytest.mark.gpu
 def test_fla_varlen_recurrence_matches_padded_torch_levels():
-    """The varlen FLA kernel per trie level == grpo.gdn's chunked torch kernel on padded levels: outputs and the
+    """The varlen FLA kernel per trie level, and FLA's kernels in one pass over the row (grpo/gdn_fla.py, where this
+    fla-core has the internals it launches) == grpo.gdn's chunked torch kernel on padded levels: outputs and the
     gradients of q, k, v, g, beta (bf16 inputs; tolerance relative to the values' scale). Where `fla_directions`
     refuses FLA's backward on this Triton/GPU, FLA's backward runs with its `chunk_bwd_dqkwg` step in torch
     (grpo/gdn_dqkwg.py); only if that step cannot be replaced is the forward alone compared."""
@@ -186,27 +187,37 @@ def test_fla_varlen_recurrence_matches_padded_torch_levels():
 
     from grpo.gdn import chunk_gated_delta_rule, fla_directions, tree_varlen_gated_delta_rule
     from grpo.gdn_choice import install_torch_dqkwg
+    from grpo.gdn_fla import fla_tree_kernels, tree_fla_gated_delta_rule
 
     _, backward_ok, reason = fla_directions(triton.__version__, torch.cuda.get_device_capability())
     if not backward_ok and install_torch_dqkwg():
         backward_ok, reason = True, f"{reason}; FLA's chunk_bwd_dqkwg step replaced by grpo/gdn_dqkwg.py"
     print(f"FLA backward compared: {backward_ok} ({reason})")
     plan, inputs, weights = _gdn_level_inputs(d=64)
-    results = []
-    for path in ("fla", "torch"):
+    one_pass = fla_tree_kernels() is not None
+    results = {}
+    for path in ("fla per level", "fla one pass", "torch"):
+        if path == "fla one pass" and not one_pass:
+            continue
         q, k, v, g, beta = [t.clone().to(torch.bfloat16 if i in (0, 1, 2, 4) else torch.float32).requires_grad_()
                             for i, t in enumerate(inputs)]
-        if path == "fla":
+        if path == "fla per level":
             out = tree_varlen_gated_delta_rule(fla.chunk_gated_delta_rule, q, k, v, g, beta, plan)
+        elif path == "fla one pass":  # takes q and k normalised, as the tree conv hands them over
+            qn, kn = (x * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6).to(x.dtype) for x in (q, k))
+            out = tree_fla_gated_delta_rule(qn, kn, v, g, beta, plan)
         else:
             out = _torch_levels(chunk_gated_delta_rule, q, k, v, g, beta, plan)
         if backward_ok:
             (out.float() * weights).sum().backward()
-            results.append([out.float()] + [t.grad.float() for t in (q, k, v, g, beta)])
+            results[path] = [out.float()] + [t.grad.float() for t in (q, k, v, g, beta)]
         else:
-            results.append([out.float()])
-    for name, got, want in zip(["out", "dq", "dk", "dv", "dg", "dbeta"], *results):
-        assert _scale_error(got, want) < 3e-2, f"{name}: max error {_scale_error(got, want):.3g} of the values' scale"
+            results[path] = [out.float()]
+    print(f"FLA's one-pass tree rule compared: {one_pass}")
+    for path in results.keys() - {"torch"}:
+        for name, got, want in zip(["out", "dq", "dk", "dv", "dg", "dbeta"], results[path], results["torch"]):
+            error = _scale_error(got, want)
+            assert error < 3e-2, f"{path} {name}: max error {error:.3g} of the values' scale"
     if not backward_ok:
         pytest.skip(f"forward matches; FLA's backward not compared: {reason}")
 
@@ -237,6 +248,9 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
         forward_ok, backward_ok, _ = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability())
         assert kernels.backward == "torch" or backward_ok or kernels.torch_dqkwg or kernels.unguarded_dqkwg
         assert (kernels.forward == "fla") == (fla_rule is not None)
+        from grpo.gdn_fla import fla_tree_kernels
+
+        assert kernels.one_pass == (kernels.forward == "fla" and fla_tree_kernels() is not None), kernels.describe()
     except ImportError:
         assert (kernels.forward, kernels.backward) == ("torch", "torch")
     from transformers import Qwen3_5ForConditionalGeneration
