@@ -53,8 +53,8 @@ import torch.nn.functional as F
 
 from grpo.gdn_choice import (FLA_BAD_BACKWARD_TRITON, TRANSFORMERS_GDN_FUNCTIONS,  # noqa: F401 (re-exported)
                              GdnKernels, choose_gdn_kernels, fla_directions, gdn_kernels, transformers_torch_reference)
-from grpo.gdn_fla import (fla_tree_kernels, tree_fla_gated_delta_rule,  # noqa: F401 (re-exported)
-                          tree_varlen_gated_delta_rule)
+from grpo.gdn_fla import (fla_tree_kernels, level_major, row_order,  # noqa: F401 (re-exported)
+                          tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule)
 from grpo.gdn_kernel import (CHUNK, chunk_gated_delta_rule, compile_chunk_regions,  # noqa: F401 (re-exported)
                              sequential_gated_delta_rule, unit_lower_inverse)
 
@@ -82,6 +82,8 @@ class TreeScanPlan:
 
     conv_index: torch.Tensor  # [N, K_c] packed index of each conv tap in transformers' weight order; N = zero row
     conv_fix_index: torch.Tensor  # [M] rows whose conv window is not the contiguous one (`conv_fix_index`)
+    ordered_conv_index: torch.Tensor  # [N, K_c] conv_index of the row in its level-major order (below)
+    ordered_conv_fix_index: torch.Tensor  # [M'] conv_fix_index of the row in that order
     levels: list[LevelPlan]
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
     order: torch.Tensor  # [N] packed position of each level-major slot: unpermute's inverse
@@ -98,8 +100,8 @@ class TreeScanPlan:
         from grpo.trie import to_device
 
         level_fields = ("gather_index", "valid", "valid_index", "parent_slot", "flat_index", "cu_seqlens")
-        heads = ("conv_index", "conv_fix_index", "unpermute", "order", "seg_cu_seqlens", "chunk_indices",
-                 "chunk_offsets")
+        heads = ("conv_index", "conv_fix_index", "ordered_conv_index", "ordered_conv_fix_index", "unpermute", "order",
+                 "seg_cu_seqlens", "chunk_indices", "chunk_offsets")
         flat = [getattr(self, name) for name in heads]
         flat += [getattr(level, name) for level in self.levels for name in level_fields]
         moved = iter(to_device(flat, device, packed))
@@ -173,10 +175,19 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
     level_major = all(r is not None for r in stops) and [r[0] for r in stops] == [0] + [r[1] for r in stops[:-1]]
     segs = np.concatenate([np.asarray(s, dtype=np.int64) for s in by_level]) if by_level else np.zeros(0, np.int64)
     lengths = bounds[segs + 1] - bounds[segs]  # [S] level-major
-    plan = TreeScanPlan(torch.from_numpy(conv_index), torch.from_numpy(_conv_fix_index(conv_index)), plans,
-                        torch.from_numpy(unpermute), torch.from_numpy(order), *_chunk_tables(lengths),
-                        tuple(np.cumsum([0] + [len(s) for s in by_level]).tolist()), level_major)
+    ordered_conv = conv_index if level_major else _reindexed(conv_index[order], unpermute)
+    conv_tables = [torch.from_numpy(t) for t in (conv_index, _conv_fix_index(conv_index), ordered_conv,
+                                                 _conv_fix_index(ordered_conv))]
+    plan = TreeScanPlan(*conv_tables, plans, torch.from_numpy(unpermute), torch.from_numpy(order),
+                        *_chunk_tables(lengths), tuple(np.cumsum([0] + [len(s) for s in by_level]).tolist()),
+                        level_major)
     return plan if token_pred.device.type == "cpu" else plan.to(token_pred.device)
+
+
+def _reindexed(table: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """`table`'s packed positions n mapped to position[n]; n = N (the zero tap) stays N."""
+    n_tokens = position.shape[0]
+    return np.where(table < n_tokens, position[np.minimum(table, n_tokens - 1)], n_tokens)
 
 
 def _chunk_tables(lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -379,8 +390,13 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
                                     (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim))
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
     fla = kernels.for_forward(needs_grad) == "fla"  # FLA: query/key normalised inside the conv, not by FLA per call
+    ordered = fla and kernels.one_pass  # the layer runs in the row's level-major order, the recurrence's own
+    if ordered:
+        x = level_major(plan, x)
+    conv_index, fix_index = ((plan.ordered_conv_index, plan.ordered_conv_fix_index) if ordered
+                             else (plan.conv_index, plan.conv_fix_index))
     mixed_qkv = tree_causal_conv1d(layer.in_proj_qkv(x), layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
-                                   layer.activation, plan.conv_index, plan.conv_fix_index,
+                                   layer.activation, conv_index, fix_index,
                                    (2 * layer.key_dim, layer.head_k_dim) if fla else None)  # [N, 2 key + value]
     query, key, value = torch.split(mixed_qkv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(n_tokens, -1, layer.head_k_dim)  # [N, H_k, D_k]
@@ -389,8 +405,8 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     z = layer.in_proj_z(x).reshape(n_tokens, -1, layer.head_v_dim)  # [N, H_v, D_v]
     g, beta = _COMPILED.get("gates", gdn_gates)(layer.in_proj_a(x), layer.in_proj_b(x), layer.A_log,
                                                 layer.dt_bias)  # [N, H_v] each
-    if fla and kernels.one_pass:
-        core_attn_out = tree_fla_gated_delta_rule(query, key, value, g, beta, plan)
+    if ordered:
+        core_attn_out = tree_fla_gated_delta_rule(query, key, value, g, beta, plan, ordered=True)
     elif fla:
         core_attn_out = tree_varlen_gated_delta_rule(fla_rule, query, key, value, g, beta, plan,
                                                      use_qk_l2norm_in_kernel=False)
@@ -400,7 +416,8 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
             key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
         core_attn_out = tree_chunk_gated_delta_rule(chunk_gated_delta_rule, query, key, value, g, beta, plan)
     core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-    return layer.out_proj(core_attn_out.reshape(1, n_tokens, -1))  # [1, N, hidden]
+    out = layer.out_proj(core_attn_out.reshape(n_tokens, -1))  # [N, hidden]
+    return (row_order(plan, out) if ordered else out)[None]  # [1, N, hidden]
 
 
 def is_gdn_layer(module) -> bool:

@@ -181,22 +181,26 @@ class _Permute(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-def _level_major(plan, tensors):
-    return tensors if plan.level_major else tuple(_Permute.apply(t, plan.order, plan.unpermute) for t in tensors)
+def level_major(plan, x: torch.Tensor) -> torch.Tensor:
+    """x [N, ...] in the row's order -> in its level-major order (`plan`: a grpo.gdn.TreeScanPlan)."""
+    return x if plan.level_major else _Permute.apply(x, plan.order, plan.unpermute)
 
 
-def _row_order(plan, out):
-    return out if plan.level_major else _Permute.apply(out, plan.unpermute, plan.order)
+def row_order(plan, x: torch.Tensor) -> torch.Tensor:
+    """x [N, ...] in the row's level-major order -> in the row's order (`level_major`'s inverse)."""
+    return x if plan.level_major else _Permute.apply(x, plan.unpermute, plan.order)
 
 
-def tree_fla_gated_delta_rule(query, key, value, g, beta, plan, fla=None) -> torch.Tensor:
+def tree_fla_gated_delta_rule(query, key, value, g, beta, plan, fla=None, ordered: bool = False) -> torch.Tensor:
     """The recurrence over a trie row through `FlaTreeRule` (`fla`: `fla_tree_kernels()` unless given).
 
-    query/key [N, H_k, D_k] (L2-normalised), value [N, H_v, D_v], g/beta [N, H_v] in the row's order (`plan`: a
-    grpo.gdn.TreeScanPlan); returns [N, H_v, D_v]."""
+    query/key [N, H_k, D_k] (L2-normalised), value [N, H_v, D_v], g/beta [N, H_v] in the row's order, or in its
+    level-major order with `ordered` (grpo/gdn.py runs a whole layer in that order: two permutations per layer, not
+    six); returns [N, H_v, D_v] in the same order."""
     fla = fla if fla is not None else fla_tree_kernels()
-    inputs = (t.contiguous()[None] for t in _level_major(plan, (query, key, value, g, beta)))
-    return _row_order(plan, FlaTreeRule.apply(*inputs, plan, fla).squeeze(0))
+    inputs = [query, key, value, g, beta] if ordered else [level_major(plan, t) for t in (query, key, value, g, beta)]
+    out = FlaTreeRule.apply(*(t.contiguous()[None] for t in inputs), plan, fla).squeeze(0)
+    return out if ordered else row_order(plan, out)
 
 
 def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan,
@@ -208,7 +212,7 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan,
     query/key [N, H_k, D_k], value [N, H_v, D_v], g/beta [N, H_v]; returns [N, H_v, D_v]. `use_qk_l2norm_in_kernel`
     False: query and key come normalised (the tree conv's `qk_norm`), so the kernel does not launch its own.
     """
-    inputs = _level_major(plan, (query, key, value, g, beta))
+    inputs = [level_major(plan, t) for t in (query, key, value, g, beta)]
     outputs, final_states, start = [], None, 0
     for level in plan.levels:
         stop = start + int(level.cu_seqlens_cpu[-1])
@@ -219,4 +223,4 @@ def tree_varlen_gated_delta_rule(varlen_rule, query, key, value, g, beta, plan,
                                           cu_seqlens=level.cu_seqlens, cu_seqlens_cpu=level.cu_seqlens_cpu)
         outputs.append(out_l.squeeze(0))  # [n_level, H, D_v] (squeeze: a view backward, not a zero-fill + copy)
         start = stop
-    return _row_order(plan, outputs[0] if len(outputs) == 1 else torch.cat(outputs))  # [N, H, D_v]
+    return row_order(plan, outputs[0] if len(outputs) == 1 else torch.cat(outputs))  # [N, H, D_v]

@@ -96,3 +96,28 @@ def test_without_fla_there_is_no_one_pass_rule():
         assert fla_tree_kernels() is None
     else:
         pytest.skip("fla imports here")
+
+
+@pytest.mark.parametrize("kind", ["shared_prompt", "multi_level", "nothing_shared"])
+def test_the_conv_runs_on_the_row_in_level_major_order(kind):
+    """With the one-pass rule a GDN layer runs on its row in level-major order (grpo/gdn.py `tree_gdn_forward`): the
+    tree conv there, with the plan's `ordered_*` tables, equals the conv of the row in its own order, permuted
+    (fp64: the contiguous conv and the recomputed rows alike)."""
+    import random
+
+    from test_gdn import TRIES, _sample
+
+    from grpo.gdn import plan_tree_scan, tree_causal_conv1d
+    from grpo.trie import pack_samples
+
+    row = pack_samples([_sample(t) for t in TRIES[kind](random.Random(4))])
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(row.num_tokens, 6, generator=gen, dtype=torch.float64)
+    weight = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    in_row_order = tree_causal_conv1d(x, weight, None, "silu", plan.conv_index, plan.conv_fix_index)
+    ordered = tree_causal_conv1d(x[plan.order], weight, None, "silu", plan.ordered_conv_index,
+                                 plan.ordered_conv_fix_index)
+    torch.testing.assert_close(ordered, in_row_order[plan.order], rtol=1e-12, atol=1e-12)
+    if not plan.level_major:  # children no longer follow their parents: their first taps are recomputed
+        assert plan.ordered_conv_fix_index.numel() > 0
