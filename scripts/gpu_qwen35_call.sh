@@ -31,7 +31,7 @@ for PHASE in ${PHASES:-nofla fla}; do
   if [ "$PHASE" = nofla ] || [ -n "${FLA_GDN:-}" ]; then
   echo "== $PHASE: bench_gdn"
   timeout "${T_GDN:-150}" python3 scripts/bench_gdn.py --variants ${GDN_VARIANTS:-torch torch-compiled} \
-    $([ "$PHASE" = fla ] && echo fla fla-own) $([ -n "${CONV:-}" ] && echo --conv) --compile --json "$OUT/gdn_$PHASE.json" 2>&1 | tee "$OUT/gdn_$PHASE.log" | tail -12
+    $([ "$PHASE" = fla ] && echo fla fla-own fla-one-pass) $([ -n "${CONV:-}" ] && echo --conv) --compile --json "$OUT/gdn_$PHASE.json" 2>&1 | tee "$OUT/gdn_$PHASE.log" | tail -12
   fi
   if [ "${TESTS:-1}" != 0 ]; then
   echo "== $PHASE: pytest -m gpu"
