@@ -23,6 +23,7 @@ layer computes them: g = log decay (fp32), beta = sigmoid; scale = D_k^-0.5, as 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -71,10 +72,27 @@ def _dqkwg():
     return fla_chunk.chunk_bwd_dqkwg
 
 
-def _levels(plan):
-    """(first segment, stop segment, parent slots or None) of each level, in the level-major segment order."""
-    bounds = plan.level_segments
-    return [(bounds[i], bounds[i + 1], level.parent_slot) for i, level in enumerate(plan.levels)]
+@dataclass(frozen=True)
+class RulePlan:
+    """What the one-pass rule reads of a row's plan: the level-major segment bounds and FLA's chunk tables (on the
+    row's device), each level's first segment (then S), and each level's parent slots (None for the roots)."""
+
+    seg_cu_seqlens: torch.Tensor  # [S + 1] long
+    chunk_indices: torch.Tensor  # [NT, 2] long
+    chunk_offsets: torch.Tensor  # [S + 1] long
+    level_segments: tuple[int, ...]
+    parent_slots: tuple[torch.Tensor | None, ...]  # per level: [B_l] slot of each segment's parent in level l - 1
+
+    @classmethod
+    def of(cls, plan) -> RulePlan:
+        """From a grpo.gdn.TreeScanPlan."""
+        return cls(plan.seg_cu_seqlens, plan.chunk_indices, plan.chunk_offsets, plan.level_segments,
+                   tuple(level.parent_slot for level in plan.levels))
+
+    def levels(self) -> list[tuple[int, int, torch.Tensor | None]]:
+        """(first segment, stop segment, parent slots or None) of each level, in the level-major segment order."""
+        bounds = self.level_segments
+        return [(bounds[i], bounds[i + 1], slots) for i, slots in enumerate(self.parent_slots)]
 
 
 def _grid(n_segments: int, heads: int, d_v: int):
@@ -91,7 +109,7 @@ def _tree_states(fla, k, w, u, g, plan, initial_states=None):
     heads, d_v = u.shape[2], u.shape[3]
     h = k.new_empty(1, plan.chunk_indices.shape[0], heads, d_k, d_v)
     v_new = torch.empty_like(u)
-    levels = _levels(plan)
+    levels = plan.levels()
     starts, finals = [], None
     for depth, (first, stop, parent_slot) in enumerate(levels):
         h0 = None
@@ -114,7 +132,7 @@ def _tree_state_grads(fla, q, k, w, g, do, dv, scale: float, plan):
     heads, d_v = do.shape[2], do.shape[3]
     dh = q.new_empty(1, plan.chunk_indices.shape[0], heads, d_k, d_v)
     dv_out = torch.empty_like(dv)
-    levels = _levels(plan)
+    levels = plan.levels()
     dht = None
     for depth in reversed(range(len(levels))):
         first, stop, parent_slot = levels[depth]
@@ -129,40 +147,53 @@ def _tree_state_grads(fla, q, k, w, g, do, dv, scale: float, plan):
     return dh, dv_out
 
 
+def rule_forward(q, k, v, g, beta, plan: RulePlan, fla):
+    """(o [1, N, H_v, D_v] in q's dtype, what `rule_backward` reads: g_cum, a_inv, starts): FLA's gated chunk
+    pipeline once over the row, its forward state kernel per level. Arguments as `FlaTreeRule`'s."""
+    scale = k.shape[-1] ** -0.5
+    seqs = dict(cu_seqlens=plan.seg_cu_seqlens, chunk_indices=plan.chunk_indices)
+    g_cum = fla.cumsum(g, chunk_size=CHUNK, scale=fla.rcp_ln2, **seqs)  # log2 decays, as FLA's kernels read them
+    w, u, a_inv = fla.fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **seqs)
+    h, v_new, starts = _tree_states(fla, k, w, u, g_cum, plan)
+    o = fla.fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK, **seqs)
+    return o.to(q.dtype), g_cum, a_inv, starts
+
+
+def rule_backward(do, q, k, v, g_cum, beta, a_inv, starts, plan: RulePlan, fla):
+    """(dq, dk, dv, dg (fp32), dbeta) of `rule_forward` from the output gradient do [1, N, H_v, D_v]."""
+    scale = k.shape[-1] ** -0.5
+    seqs = dict(cu_seqlens=plan.seg_cu_seqlens, chunk_indices=plan.chunk_indices)
+    do = do.contiguous()
+    w, u = fla.recompute_w_u(k=k, v=v, beta=beta, A=a_inv, g=g_cum, **seqs)
+    h, v_new, _ = _tree_states(fla, k, w, u, g_cum, plan, starts)
+    dv = fla.bwd_dv_local(q=q, k=k, g=g_cum, do=do, scale=scale, chunk_size=CHUNK, **seqs)
+    dh, dv = _tree_state_grads(fla, q, k, w, g_cum, do, dv, scale, plan)
+    dq, dk, dw, dg = _dqkwg()(q=q, k=k, v=v_new, w=w, g=g_cum, h=h, dv=dv, do=do, dh=dh, scale=scale,
+                              chunk_size=CHUNK, **seqs)
+    dk2, dv, dbeta, dg2 = fla.wy_bwd(k=k, v=v, beta=beta, A=a_inv, dw=dw, du=dv, g=g_cum, **seqs)
+    dk.add_(dk2)
+    dg.add_(dg2)
+    dg = fla.cumsum(dg, chunk_size=CHUNK, reverse=True, **seqs)
+    return dq.to(q), dk.to(k), dv.to(v), dg, dbeta.to(beta)
+
+
 class FlaTreeRule(torch.autograd.Function):
     """The gated delta rule over a trie row in level-major order, FLA's chunk pipeline once for the row and its
     state kernels once per level (module docstring). q/k [1, N, H_k, D_k] (normalised), v [1, N, H_v, D_v],
     g [1, N, H_v] fp32 log decay, beta [1, N, H_v] -> o [1, N, H_v, D_v] in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, plan, fla):
-        scale = k.shape[-1] ** -0.5
-        seqs = dict(cu_seqlens=plan.seg_cu_seqlens, chunk_indices=plan.chunk_indices)
-        g_cum = fla.cumsum(g, chunk_size=CHUNK, scale=fla.rcp_ln2, **seqs)  # log2 decays, as FLA's kernels read them
-        w, u, a_inv = fla.fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **seqs)
-        h, v_new, starts = _tree_states(fla, k, w, u, g_cum, plan)
-        o = fla.fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK, **seqs)
+    def forward(ctx, q, k, v, g, beta, plan: RulePlan, fla):
+        o, g_cum, a_inv, starts = rule_forward(q, k, v, g, beta, plan, fla)
         ctx.save_for_backward(q, k, v, g_cum, beta, a_inv, *starts)
-        ctx.plan, ctx.fla, ctx.scale, ctx.g_dtype = plan, fla, scale, g.dtype
-        return o.to(q.dtype)
+        ctx.plan, ctx.fla, ctx.g_dtype = plan, fla, g.dtype
+        return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, g_cum, beta, a_inv, *starts = ctx.saved_tensors
-        plan, fla, scale = ctx.plan, ctx.fla, ctx.scale
-        seqs = dict(cu_seqlens=plan.seg_cu_seqlens, chunk_indices=plan.chunk_indices)
-        do = do.contiguous()
-        w, u = fla.recompute_w_u(k=k, v=v, beta=beta, A=a_inv, g=g_cum, **seqs)
-        h, v_new, _ = _tree_states(fla, k, w, u, g_cum, plan, starts)
-        dv = fla.bwd_dv_local(q=q, k=k, g=g_cum, do=do, scale=scale, chunk_size=CHUNK, **seqs)
-        dh, dv = _tree_state_grads(fla, q, k, w, g_cum, do, dv, scale, plan)
-        dq, dk, dw, dg = _dqkwg()(q=q, k=k, v=v_new, w=w, g=g_cum, h=h, dv=dv, do=do, dh=dh, scale=scale,
-                                  chunk_size=CHUNK, **seqs)
-        dk2, dv, dbeta, dg2 = fla.wy_bwd(k=k, v=v, beta=beta, A=a_inv, dw=dw, du=dv, g=g_cum, **seqs)
-        dk.add_(dk2)
-        dg.add_(dg2)
-        dg = fla.cumsum(dg, chunk_size=CHUNK, reverse=True, **seqs)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), dbeta.to(beta), None, None
+        dq, dk, dv, dg, dbeta = rule_backward(do, q, k, v, g_cum, beta, a_inv, starts, ctx.plan, ctx.fla)
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -199,7 +230,7 @@ def tree_fla_gated_delta_rule(query, key, value, g, beta, plan, fla=None, ordere
     six); returns [N, H_v, D_v] in the same order."""
     fla = fla if fla is not None else fla_tree_kernels()
     inputs = [query, key, value, g, beta] if ordered else [level_major(plan, t) for t in (query, key, value, g, beta)]
-    out = FlaTreeRule.apply(*(t.contiguous()[None] for t in inputs), plan, fla).squeeze(0)
+    out = FlaTreeRule.apply(*(t.contiguous()[None] for t in inputs), RulePlan.of(plan), fla).squeeze(0)
     return out if ordered else row_order(plan, out)
 
 
