@@ -84,10 +84,12 @@ class TreeScanPlan:
     conv_fix_index: torch.Tensor  # [M] rows whose conv window is not the contiguous one (`conv_fix_index`)
     ordered_conv_index: torch.Tensor  # [N, K_c] conv_index of the row in its level-major order (below)
     ordered_conv_fix_index: torch.Tensor  # [M'] conv_fix_index of the row in that order
+    ordered_fix_window: torch.Tensor  # [M', K_c] ordered_conv_index at those rows
     levels: list[LevelPlan]
     unpermute: torch.Tensor  # [N] position of packed token n in the level-major concatenation of valid slots
     order: torch.Tensor  # [N] packed position of each level-major slot: unpermute's inverse
     seg_cu_seqlens: torch.Tensor  # [S + 1] long, segment bounds in the level-major order (FLA's cu_seqlens)
+    parent_slots: torch.Tensor  # [S - B_0] long, the levels' parent_slot after level 0, concatenated
     chunk_indices: torch.Tensor  # [NT, 2] long, (segment, chunk within it) of each 64-token chunk, level-major
     chunk_offsets: torch.Tensor  # [S + 1] long, each segment's first chunk in chunk_indices
     level_segments: tuple[int, ...]  # first segment of each level in the level-major order, then S
@@ -100,8 +102,8 @@ class TreeScanPlan:
         from grpo.trie import to_device
 
         level_fields = ("gather_index", "valid", "valid_index", "parent_slot", "flat_index", "cu_seqlens")
-        heads = ("conv_index", "conv_fix_index", "ordered_conv_index", "ordered_conv_fix_index", "unpermute", "order",
-                 "seg_cu_seqlens", "chunk_indices", "chunk_offsets")
+        heads = ("conv_index", "conv_fix_index", "ordered_conv_index", "ordered_conv_fix_index", "ordered_fix_window",
+                 "unpermute", "order", "seg_cu_seqlens", "chunk_indices", "chunk_offsets", "parent_slots")
         flat = [getattr(self, name) for name in heads]
         flat += [getattr(level, name) for level in self.levels for name in level_fields]
         moved = iter(to_device(flat, device, packed))
@@ -176,10 +178,13 @@ def plan_tree_scan(token_pred: torch.Tensor, cu_seqlens: torch.Tensor, seg_paren
     segs = np.concatenate([np.asarray(s, dtype=np.int64) for s in by_level]) if by_level else np.zeros(0, np.int64)
     lengths = bounds[segs + 1] - bounds[segs]  # [S] level-major
     ordered_conv = conv_index if level_major else _reindexed(conv_index[order], unpermute)
-    conv_tables = [torch.from_numpy(t) for t in (conv_index, _conv_fix_index(conv_index), ordered_conv,
-                                                 _conv_fix_index(ordered_conv))]
-    plan = TreeScanPlan(*conv_tables, plans, torch.from_numpy(unpermute), torch.from_numpy(order),
-                        *_chunk_tables(lengths), tuple(np.cumsum([0] + [len(s) for s in by_level]).tolist()),
+    ordered_fix = _conv_fix_index(ordered_conv)
+    conv_tables = [torch.from_numpy(t) for t in (conv_index, _conv_fix_index(conv_index), ordered_conv, ordered_fix,
+                                                 ordered_conv[ordered_fix])]
+    cu, chunk_indices, chunk_offsets = _chunk_tables(lengths)
+    parent_slots = torch.cat([p.parent_slot for p in plans[1:]]) if len(plans) > 1 else torch.zeros(0, dtype=torch.long)
+    plan = TreeScanPlan(*conv_tables, plans, torch.from_numpy(unpermute), torch.from_numpy(order), cu, parent_slots,
+                        chunk_indices, chunk_offsets, tuple(np.cumsum([0] + [len(s) for s in by_level]).tolist()),
                         level_major)
     return plan if token_pred.device.type == "cpu" else plan.to(token_pred.device)
 
@@ -325,9 +330,8 @@ def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = x.to(acc) * weight[:, -1].to(acc)  # [N, C], tap i reads padded[n + i] = x[n - (K_c - 1 - i)]
     for tap in range(kernel_size - 1):
         out = out + padded[tap:tap + n_tokens].to(acc) * weight[:, tap].to(acc)
-    if fix_index.shape[0]:
-        taps = padded[fix_window + (kernel_size - 1)]  # [M, K_c, C]; index N lands on the trailing zero row
-        out = out.index_put((fix_index,), (taps.to(acc) * weight.t().to(acc)).sum(dim=1))
+    taps = padded[fix_window + (kernel_size - 1)]  # [M, K_c, C]; index N lands on the trailing zero row; M may be 0
+    out = out.index_put((fix_index,), (taps.to(acc) * weight.t().to(acc)).sum(dim=1))
     out = out.to(weight.dtype)
     if bias is not None:
         out = out + bias
@@ -392,6 +396,11 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     fla = kernels.for_forward(needs_grad) == "fla"  # FLA: query/key normalised inside the conv, not by FLA per call
     ordered = fla and kernels.one_pass  # the layer runs in the row's level-major order, the recurrence's own
     if ordered:
+        from grpo.gdn_graph import graph_gdn_forward
+
+        out = graph_gdn_forward(layer, x, plan)  # the mixer as one compiled graph, where compile_scope says so
+        if out is not None:
+            return out[None]
         x = level_major(plan, x)
     conv_index, fix_index = ((plan.ordered_conv_index, plan.ordered_conv_fix_index) if ordered
                              else (plan.conv_index, plan.conv_fix_index))

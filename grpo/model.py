@@ -123,16 +123,17 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     minutes after its memory probe (each region compiles again for the first rows of 2+ segments and for new ranks;
     on CPU one such compile takes ~70 s), and their gain in the whole step is not measured yet. Returns the number
     of compiled modules. `scope="layers"` compiles each dense attention layer whole instead (`whole_layers`) and the
-    regions of the other layers."""
+    regions of the other layers; `scope="layers_gdn"` also each Gated DeltaNet mixer whole where FLA runs it in one
+    pass per row (grpo/gdn_graph.py)."""
     import os
     import sys
 
     from grpo.distributed import decoder_layers
     from grpo.gdn import compile_chunk_regions, compile_tree_conv, is_gdn_layer
 
-    if scope not in ("regions", "layers"):
-        raise ValueError(f"compile_scope must be regions or layers, got {scope!r}")
-    whole = whole_layers(model) if scope == "layers" else []
+    if scope not in ("regions", "layers", "layers_gdn"):
+        raise ValueError(f"compile_scope must be regions, layers or layers_gdn, got {scope!r}")
+    whole = whole_layers(model) if scope in ("layers", "layers_gdn") else []
     for layer in whole:
         layer.compile(dynamic=True)
     inside = {id(m) for layer in whole for m in layer.modules()}
@@ -140,6 +141,11 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     if any(is_gdn_layer(m) for m in model.modules()):
         compile_tree_conv()
         compiled += 1
+        if scope == "layers_gdn":
+            from grpo.gdn_graph import compile_gdn_mixer
+
+            compile_gdn_mixer()  # used where FLA runs in one pass per row (grpo/gdn_graph.py)
+            compiled += 1
         if os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
             compile_chunk_regions()
             compiled += 2

@@ -264,3 +264,44 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
     with torch.no_grad():  # no-grad forwards may use FLA's forward
         torch.testing.assert_close(forward_hidden(model, row, backend="sdpa").float(), hidden.detach().float(),
                                    atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_compiled_gdn_mixer_matches_the_eager_layer(tiny_models):
+    """compile_scope=layers_gdn: a Qwen3.5 GDN layer's mixer as one inductor graph with FLA's one-pass rule as a custom
+    op inside (grpo/gdn_graph.py) == the eager tree forward with the same rule, bf16, on a several-level row out of
+    level-major order and an unshared one: output and the input's and weights' gradients within 3e-2 of scale."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    import random
+
+    from test_gdn import _sample, multi_level, nothing_shared
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from grpo import gdn, gdn_graph
+    from grpo.trie import pack_samples
+
+    config = AutoConfig.from_pretrained(tiny_models["qwen3_5"]).text_config
+    layer = Qwen3_5GatedDeltaNet(config, layer_idx=0).to("cuda", torch.bfloat16)
+    heads = (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+    for make in (multi_level, nothing_shared):
+        row = pack_samples([_sample(t) for t in make(random.Random(3))]).to("cuda")
+        plan = gdn.plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, layer.conv_kernel_size)
+        hidden = torch.randn(1, row.num_tokens, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for compiled in (False, True):
+            if compiled:
+                gdn_graph.compile_gdn_mixer()
+            x = hidden.clone().requires_grad_()
+            layer.zero_grad()
+            try:
+                out = gdn.tree_gdn_forward(layer, x, plan)
+            finally:
+                gdn_graph._COMPILED.pop("mixer", None)
+            kernels, _ = gdn.gdn_kernels("auto", x.device, heads)
+            if not kernels.one_pass:
+                pytest.skip(f"FLA does not run in one pass here: {kernels.describe()}")
+            (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+            results.append([out.float(), x.grad.float()] + [p.grad.float() for p in layer.parameters()])
+        for i, (got, want) in enumerate(zip(*results)):
+            assert _scale_error(got, want) < 3e-2, f"{make.__name__} term {i}: {_scale_error(got, want):.3g}"
