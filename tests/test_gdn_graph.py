@@ -154,3 +154,64 @@ def test_the_mixer_leaves_adapted_layers_to_the_eager_forward(gdn_layer):
     assert mixer_weights(layer) is not None
     layer.in_proj_z = torch.nn.Linear(layer.in_proj_z.in_features, layer.in_proj_z.out_features, bias=True)
     assert mixer_weights(layer) is None
+
+
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing, monkeypatch):
+    """`compile_scope="layers_gdn"` through `build_policy` as train.py calls it (fp32 on CPU, inductor): every GDN
+    layer of the tiny Qwen3.5 runs the compiled mixer (the rule op's CPU reference standing in for FLA's one-pass
+    rule) on rows of other shapes; its tree-packed log-probs and gradients equal the
+    eager model's (FLA's per-level path, the token-by-token recurrence standing in for FLA), with and without
+    gradient checkpointing."""
+    import dataclasses
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    import grpo.gdn as gdn
+    import grpo.gdn_graph as gdn_graph
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import DistInfo
+    from grpo.gdn_choice import GdnKernels
+    from grpo.policy import build_policy
+    from test_train import random_samples
+
+    monkeypatch.setattr(gdn, "_COMPILED", {})  # process-wide compile state, put back after the test
+    monkeypatch.setattr(gdn_graph, "_COMPILED", {})
+    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    calls = []
+    monkeypatch.setattr(gdn_graph, "graph_gdn_forward", _counting(gdn_graph.graph_gdn_forward, calls))
+    base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), gradient_checkpointing=checkpointing)
+    rows = [pack_samples(random_samples(5)), pack_samples([_sample(t) for t in TRIES["multi_level"](random.Random(2))])]
+    results = []
+    for one_pass, overrides in ((False, dict(compile_layers=False)),
+                                (True, dict(compile_layers=True, compile_scope="layers_gdn"))):
+        monkeypatch.setattr(gdn, "gdn_kernels", lambda *a, one_pass=one_pass, **kw: (
+            GdnKernels("fla", "fla", "test", one_pass=one_pass), _varlen_reference))
+        model, policy, *_ = build_policy(dataclasses.replace(base, **overrides), DistInfo(0, 1, 0, torch.device("cpu")),
+                                         2048)
+        counters.clear()
+        for row in rows:
+            logp = policy(row).policy_logprobs
+            (logp @ row.advantages).backward()
+            results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}))
+            model.zero_grad(set_to_none=True)
+        n_gdn = sum(gdn.is_gdn_layer(m) for m in model.modules())
+    assert n_gdn and sum(out is not None for out in calls) >= len(rows) * n_gdn  # every GDN forward in the graph
+    assert not [r for r in counters["graph_break"] if "gdn" in r.lower()], dict(counters["graph_break"])
+    for (eager, eager_grads), (fast, fast_grads) in zip(results[:len(rows)], results[len(rows):]):
+        torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+        assert fast_grads.keys() == eager_grads.keys()
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        calls.append(out)
+        return out
+
+    return counted
