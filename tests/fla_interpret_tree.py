@@ -6,7 +6,7 @@ largest magnitude, against (1) the token-by-token recurrence along each segment'
 (2) FLA's public kernel called once per level (`tree_varlen_gated_delta_rule`, the path it replaces); and whether
 the plan's chunk tables equal FLA's own (`prepare_chunk_indices` / `prepare_chunk_offsets`). Then a Qwen3.5 GDN
 layer through grpo/gdn.py's tree forward, one pass against per level (`layer_paths`), and grpo/gdn_choice.py's
-run-time check of the rule (`settled`).
+run-time check of the rule (`settled`), and the Triton launches of one forward + backward each way (`launches`).
 
 argv: repo, the folder holding `fla` (fla-core installed with --target).
 """
@@ -129,9 +129,11 @@ def settled():
     gdn_fla.tree_fla_gated_delta_rule = lambda *args: one_pass(*args) * 1.1
     report["off"] = gdn_choice._settle_one_pass(kernels, chunk_gated_delta_rule, cpu, (H_K, H_V, D_K, D_V))
     gdn_fla.tree_fla_gated_delta_rule = one_pass
-    gdn_fla._FWD_H_ARGS = gdn_fla._FWD_H_ARGS[:-1]
+    known, gdn_fla._FWD_H_ARGS = gdn_fla._FWD_H_ARGS, gdn_fla._FWD_H_ARGS[:-1]
     gdn_fla.fla_tree_kernels.cache_clear()
     report["other_fla"] = gdn_choice._settle_one_pass(kernels, chunk_gated_delta_rule, cpu, (H_K, H_V, D_K, D_V))
+    gdn_fla._FWD_H_ARGS = known
+    gdn_fla.fla_tree_kernels.cache_clear()
     return {name: r if isinstance(r, float) else [r.one_pass, r.describe()] for name, r in report.items()}
 
 
@@ -164,7 +166,34 @@ def layer_paths():
     return max(scale_error(a, b) for a, b in zip(*results))
 
 
+def launches(samples):
+    """Triton kernel launches of one forward + backward of the recurrence on a row: (one pass, per level)."""
+    import triton.runtime.interpreter as interpreter
+
+    row = pack_samples([sample(t) for t in samples])
+    plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
+    xs, weights = inputs(row.num_tokens, 0)
+    counts = []
+    launch = interpreter.InterpretedFunction.run
+    for fn in (lambda *t: tree_fla_gated_delta_rule(*t, plan),
+               lambda *t: tree_varlen_gated_delta_rule(chunk_gated_delta_rule, *t, plan, use_qk_l2norm_in_kernel=False)):
+        count = [0]
+
+        def counted(self, *args, count=count, **kwargs):
+            count[0] += 1
+            return launch(self, *args, **kwargs)
+
+        interpreter.InterpretedFunction.run = counted
+        try:
+            run(fn, xs, weights)
+        finally:
+            interpreter.InterpretedFunction.run = launch
+        counts.append(count[0])
+    return {"levels": len(plan.levels), "one_pass": counts[0], "per_level": counts[1]}
+
+
 assert fla_tree_kernels() is not None, "this fla-core's internals are not the ones grpo/gdn_fla.py launches"
 rows_checked = {name: check(samples, seed) for seed, (name, samples) in enumerate(rows().items())}
-print(json.dumps({"rows": rows_checked, "layer_one_pass_vs_per_level": layer_paths(), "settled": settled()}))
+print(json.dumps({"rows": rows_checked, "layer_one_pass_vs_per_level": layer_paths(), "settled": settled(),
+                  "launches": {name: launches(samples) for name, samples in rows().items()}}))
 shutil.rmtree(copy, ignore_errors=True)

@@ -43,6 +43,12 @@ def test_one_pass_rule_equals_the_reference_and_flas_per_level_calls():
         assert max(r["vs_reference"].values()) < 1e-5, (name, r["vs_reference"])
         assert max(r["vs_per_level"].values()) < 1e-6, (name, r["vs_per_level"])
     assert report["layer_one_pass_vs_per_level"] < 1e-6  # a Qwen3.5 GDN layer: output, input and weight grads
+    launches = report["launches"]  # Triton launches, forward + backward: each level past the first adds only the
+    base = launches["nothing shared (one level)"]["one_pass"]  # state kernels (forward, its recompute, backward)
+    assert launches["nothing shared (one level)"]["per_level"] == base
+    for name, count in launches.items():
+        assert count["one_pass"] == base + 3 * (count["levels"] - 1), (name, count)
+        assert count["per_level"] == base * count["levels"], (name, count)
     settled = report["settled"]
     assert settled["error"] < 1e-6 and settled["passed"][0]
     assert "one pass per trie row" in settled["passed"][1]
