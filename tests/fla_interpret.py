@@ -8,11 +8,30 @@ The interpreter hands a kernel's `for` loop variables over as Python ints, which
 kernels read `tl.full([], i_t, tl.int64)` where FLA writes `i_t.to(tl.int64)` (the same value).
 """
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FLA_SITE = Path(os.environ.get("GRPO_FLA_SITE", REPO / ".venv" / "fla-cpu"))
+
+
+def run_interpreted(script: str) -> dict:
+    """Test side: run tests/`script` (which calls `interpret_fla`) in a subprocess and return the JSON of its last
+    output line; skips when Triton or the side folder with fla-core (`scripts/install.sh cpu` fills it) is absent."""
+    import pytest
+
+    pytest.importorskip("triton")
+    if not (FLA_SITE / "fla").is_dir():
+        pytest.skip(f"no fla-core in {FLA_SITE}: bash scripts/install.sh cpu (or set GRPO_FLA_SITE)")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / script), str(REPO), str(FLA_SITE)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def interpret_fla(repo: str, fla_site: str) -> Path:

@@ -9,17 +9,9 @@ transformers' Qwen3.5 call FLA). The whole FLA backward with the step replaced i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-FLA_SITE = Path(os.environ.get("GRPO_FLA_SITE", REPO / ".venv" / "fla-cpu"))
+from fla_interpret import run_interpreted
 
 
 def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
@@ -27,13 +19,7 @@ def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
     whole backward with the torch step against the torch kernel, a broken step refused by the check, FLA's own
     step past its Triton guard (the guard's flag back afterwards), and the backward launched without FLA's
     per-launch lookup key (`lighten_fla_launches`)."""
-    pytest.importorskip("triton")
-    if not (FLA_SITE / "fla").is_dir():
-        pytest.skip(f"no fla-core in {FLA_SITE}: bash scripts/install.sh cpu (or set GRPO_FLA_SITE)")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fla_interpret_dqkwg.py"), str(REPO), str(FLA_SITE)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_interpreted("fla_interpret_dqkwg.py")
     assert len(report["dqkwg"]) == 4
     for name, errors in report["dqkwg"].items():
         tol = 2e-2 if name.startswith("bf16") else 1e-5  # bf16: FLA got fp32 values, so no rounding of dS

@@ -7,18 +7,10 @@ FLA's per-level calls at run time (grpo/gdn_choice.py `_check_one_pass`) and in 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-FLA_SITE = Path(os.environ.get("GRPO_FLA_SITE", REPO / ".venv" / "fla-cpu"))
+from fla_interpret import run_interpreted
 
 
 def test_one_pass_rule_equals_the_reference_and_flas_per_level_calls():
@@ -28,13 +20,7 @@ def test_one_pass_rule_equals_the_reference_and_flas_per_level_calls():
     kernel called per level to 1e-6 (the same kernels on the same chunks); the plan's chunk tables are FLA's. A Qwen3.5
     GDN layer through grpo/gdn.py's tree forward: one pass == per level (output, input and weight gradients). Then
     the run-time check: passed, a rule 10 % off refused, an fla-core with other state-kernel arguments not used."""
-    pytest.importorskip("triton")
-    if not (FLA_SITE / "fla").is_dir():
-        pytest.skip(f"no fla-core in {FLA_SITE}: bash scripts/install.sh cpu (or set GRPO_FLA_SITE)")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fla_interpret_tree.py"), str(REPO), str(FLA_SITE)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_interpreted("fla_interpret_tree.py")
     rows = report["rows"]
     assert {r["levels"] for r in rows.values()} >= {1, 2, 7}
     assert {r["level_major"] for r in rows.values()} == {True, False}
