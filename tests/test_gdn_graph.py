@@ -175,6 +175,7 @@ def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing
     from grpo.gdn_choice import GdnKernels
     from grpo.policy import build_policy
     from test_train import random_samples
+    from test_tree_attention import assert_same_results, step_results
 
     monkeypatch.setattr(gdn, "_COMPILED", {})  # process-wide compile state, put back after the test
     monkeypatch.setattr(gdn_graph, "_COMPILED", {})
@@ -192,20 +193,11 @@ def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing
         model, policy, *_ = build_policy(dataclasses.replace(base, **overrides), DistInfo(0, 1, 0, torch.device("cpu")),
                                          2048)
         counters.clear()
-        for row in rows:
-            logp = policy(row).policy_logprobs
-            (logp @ row.advantages).backward()
-            results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                            if p.grad is not None}))
-            model.zero_grad(set_to_none=True)
+        results += [step_results(model, policy, row) for row in rows]
         n_gdn = sum(gdn.is_gdn_layer(m) for m in model.modules())
     assert n_gdn and sum(out is not None for out in calls) >= len(rows) * n_gdn  # every GDN forward in the graph
     assert not [r for r in counters["graph_break"] if "gdn" in r.lower()], dict(counters["graph_break"])
-    for (eager, eager_grads), (fast, fast_grads) in zip(results[:len(rows)], results[len(rows):]):
-        torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
-        assert fast_grads.keys() == eager_grads.keys()
-        for name, grad in eager_grads.items():
-            torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_results(results[len(rows):], results[:len(rows)])
 
 
 def _counting(fn, calls: list):

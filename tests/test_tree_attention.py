@@ -291,17 +291,27 @@ def test_flash_split_stays_inside_the_compiled_layer(tiny_models, monkeypatch):
                                          2048)
         counters.clear()
         for row in rows:
-            logp = policy(row).policy_logprobs
-            (logp @ row.advantages).backward()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            results.append((logp.detach(), grads))
-            model.zero_grad(set_to_none=True)
+            results.append(step_results(model, policy, row))
             graphs.append(counters["stats"]["unique_graphs"])
         breaks = [reason for reason in counters["graph_break"] if "attention" in reason]
     assert not breaks, breaks
     assert graphs[3] > 0 and graphs[4] == graphs[5]  # compiled; the third row (new sizes) compiled nothing new
-    for (eager, eager_grads), (fast, fast_grads) in zip(results[:3], results[3:]):
-        torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+    assert_same_results(results[3:], results[:3])
+
+
+def step_results(model, policy, row) -> tuple:
+    """(log-probs, gradients by parameter name) of one row's policy-gradient backward; the gradients zeroed after."""
+    logp = policy(row).policy_logprobs
+    (logp @ row.advantages).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logp.detach(), grads
+
+
+def assert_same_results(fast: list, eager: list) -> None:
+    """`step_results` of a compiled policy == an eager one's, row by row (fp32 on CPU)."""
+    for (eager_logp, eager_grads), (fast_logp, fast_grads) in zip(eager, fast, strict=True):
+        torch.testing.assert_close(fast_logp, eager_logp, atol=1e-5, rtol=1e-5)
         assert fast_grads.keys() == eager_grads.keys()
         for name, grad in eager_grads.items():
             torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
