@@ -60,7 +60,8 @@ def fla_tree_kernels() -> SimpleNamespace | None:
         if list(getattr(kernel, "arg_names", [])) != expected:
             return None
     return SimpleNamespace(fwd_h=fwd_h, bwd_dhu=bwd_dhu, cumsum=chunk_local_cumsum,
-                           fwd_intra=chunk_gated_delta_rule_fwd_intra, fwd_o=chunk_fwd_o, bwd_dv_local=chunk_bwd_dv_local, recompute_w_u=recompute_w_u_fwd,
+                           fwd_intra=chunk_gated_delta_rule_fwd_intra, fwd_o=chunk_fwd_o,
+                           bwd_dv_local=chunk_bwd_dv_local, recompute_w_u=recompute_w_u_fwd,
                            wy_bwd=prepare_wy_repr_bwd, rcp_ln2=RCP_LN2)
 
 
