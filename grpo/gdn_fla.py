@@ -148,6 +148,20 @@ def _tree_state_grads(fla, q, k, w, g, do, dv, scale: float, plan):
     return dh, dv_out
 
 
+def _on_device(fn):
+    """Run `fn` with its first tensor's CUDA device current (as FLA's `input_guard` does): Triton launches on the
+    current device."""
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        if not args[0].is_cuda:
+            return fn(*args, **kwargs)
+        with torch.cuda.device(args[0].device):
+            return fn(*args, **kwargs)
+
+    return guarded
+
+
+@_on_device
 def rule_forward(q, k, v, g, beta, plan: RulePlan, fla):
     """(o [1, N, H_v, D_v] in q's dtype, what `rule_backward` reads: g_cum, a_inv, starts): FLA's gated chunk
     pipeline once over the row, its forward state kernel per level. Arguments as `FlaTreeRule`'s."""
@@ -160,6 +174,7 @@ def rule_forward(q, k, v, g, beta, plan: RulePlan, fla):
     return o.to(q.dtype), g_cum, a_inv, starts
 
 
+@_on_device
 def rule_backward(do, q, k, v, g_cum, beta, a_inv, starts, plan: RulePlan, fla):
     """(dq, dk, dv, dg (fp32), dbeta) of `rule_forward` from the output gradient do [1, N, H_v, D_v]."""
     scale = k.shape[-1] ** -0.5
