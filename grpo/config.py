@@ -63,8 +63,8 @@ class AsyncGRPOConfig:
     """What `compile_layers` compiles: layers = each dense attention layer whole (one graph with `flash_split`, a
     custom op inside it; other backends split it into two graphs; Gated DeltaNet and MoE layers keep their regions);
     regions = the norms, MLP and rotary embedding of each layer, one compiled call each (~6 per layer); layers_gdn =
-    layers, and each Gated DeltaNet mixer as one graph where FLA runs it in one pass per row (FLA a custom op inside;
-    grpo/gdn_graph.py; not yet measured on a GPU). On an H200 (2026-12-03) layers gave the Qwen3-0.6B step +5-17 %
+    layers, and where FLA runs Gated DeltaNet in one pass per row, each GDN layer whole too (FLA a custom op inside;
+    with a sparse MLP, its mixer alone; grpo/gdn_graph.py; not yet measured on a GPU). On an H200 (2026-12-03) layers gave the Qwen3-0.6B step +5-17 %
     and Qwen3-1.7B +1-5 % trained tokens/s over regions."""
     gdn_kernel: Literal["auto", "fla", "torch"] = "auto"
     """Gated DeltaNet (Qwen3.5) recurrence on tree rows: fla = flash-linear-attention's varlen Triton kernel

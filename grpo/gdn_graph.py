@@ -193,3 +193,27 @@ def graph_gdn_forward(layer, x: torch.Tensor, plan) -> torch.Tensor | None:
         return None
     heads = (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
     return mixer(x, weights, mixer_tables(plan), heads, float(layer.norm.variance_epsilon), not plan.level_major)
+
+
+def row_tables(tree_context, kernel_size: int) -> tuple:
+    """(`mixer_tables`, permute) of the packed row of `tree_context` (grpo.tree_attention.TreeContext), built before
+    the decoder runs so that decoder layers compiled whole only read tensors; the plan is cached on the context for
+    the GDN layers that run eagerly."""
+    from grpo.gdn_plan import row_plan
+
+    key = ("gdn_plan", kernel_size)
+    if key not in tree_context.cache:
+        tree_context.cache[key] = row_plan(tree_context.row, kernel_size)
+    plan = tree_context.cache[key]
+    return mixer_tables(plan), not plan.level_major
+
+
+def in_graph_forward(layer, hidden_states: torch.Tensor, tables: tuple) -> torch.Tensor | None:
+    """The GDN layer's mixer traced into its compiled decoder layer: hidden_states [1, N, hidden] -> [1, N, hidden];
+    None where the formula does not cover the layer."""
+    weights = mixer_weights(layer)
+    if weights is None:
+        return None
+    heads = (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+    return mixer_formula(hidden_states[0], weights, tables[0], heads, float(layer.norm.variance_epsilon),
+                         tables[1])[None]

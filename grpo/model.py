@@ -123,8 +123,8 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     minutes after its memory probe (each region compiles again for the first rows of 2+ segments and for new ranks;
     on CPU one such compile takes ~70 s), and their gain in the whole step is not measured yet. Returns the number
     of compiled modules. `scope="layers"` compiles each dense attention layer whole instead (`whole_layers`) and the
-    regions of the other layers; `scope="layers_gdn"` also each Gated DeltaNet mixer whole where FLA runs it in one
-    pass per row (grpo/gdn_graph.py)."""
+    regions of the other layers; `scope="layers_gdn"` also each Gated DeltaNet layer whole where FLA runs it in one
+    pass per row (`whole_gdn_layers`), and the mixer of the other GDN layers (grpo/gdn_graph.py)."""
     import os
     import sys
 
@@ -134,6 +134,12 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     if scope not in ("regions", "layers", "layers_gdn"):
         raise ValueError(f"compile_scope must be regions, layers or layers_gdn, got {scope!r}")
     whole = whole_layers(model) if scope in ("layers", "layers_gdn") else []
+    gdn_whole = whole_gdn_layers(model) if scope == "layers_gdn" else []
+    if gdn_whole:  # their packed forwards read the row's mixer tables, built before the decoder runs
+        from grpo.tree_attention import text_decoder
+
+        text_decoder(model)._grpo_gdn_whole = gdn_whole[0].linear_attn.conv_kernel_size
+    whole += gdn_whole
     for layer in whole:
         layer.compile(dynamic=True)
     inside = {id(m) for layer in whole for m in layer.modules()}
@@ -177,6 +183,27 @@ def whole_layers(model) -> list:
     return [layer for layer in decoder_layers(model)
             if hasattr(layer, "self_attn") and type(getattr(layer, "mlp", None)).__name__.endswith("MLP")
             and not any(is_gdn_layer(m) for m in layer.modules())]
+
+
+def whole_gdn_layers(model) -> list:
+    """The decoder layers `compile_scope="layers_gdn"` also compiles whole: a Gated DeltaNet mixer that
+    grpo/gdn_graph.py's formula covers, run by FLA in one pass per row on its device (decided here, FLA's check
+    included), and a dense MLP. Elsewhere (the torch kernel, an adapter on a projection) the layer keeps its regions."""
+    from grpo import gdn
+    from grpo.distributed import decoder_layers
+    from grpo.gdn_graph import mixer_weights
+
+    chosen = []
+    for layer in decoder_layers(model):
+        mixer = getattr(layer, "linear_attn", None)
+        if (mixer is None or not gdn.is_gdn_layer(mixer) or mixer_weights(mixer) is None
+                or not type(getattr(layer, "mlp", None)).__name__.endswith("MLP")):
+            continue
+        heads = (mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+        kernels, _ = gdn.gdn_kernels(getattr(mixer, "_tree_gdn_kernel", "auto"), mixer.in_proj_qkv.weight.device, heads)
+        if kernels.for_forward(True) == "fla" and kernels.one_pass:
+            chosen.append(layer)
+    return chosen
 
 
 def _is_moe(config) -> bool:

@@ -60,6 +60,7 @@ class TreeContext:
     backend: str
     cache: dict = field(default_factory=dict)
     split_plan: tuple | None = None  # flash_split: the row's plan as tensors (grpo/tree_split.py `plan_tensors`)
+    gdn_tables: tuple | None = None  # GDN layers compiled whole: the row's mixer tables (grpo/gdn_graph.py)
 
 
 # --------------------------------------------------------------------------------------------- backend choice
@@ -362,6 +363,10 @@ def forward_decoder(model: torch.nn.Module, row: PackedRow, backend: str = "auto
         from grpo.tree_split import plan_tensors
 
         ctx.split_plan = plan_tensors(row)
+    if getattr(decoder, "_grpo_gdn_whole", None):  # compile_scope=layers_gdn compiled its GDN layers whole
+        from grpo.gdn_graph import row_tables
+
+        ctx.gdn_tables = row_tables(ctx, decoder._grpo_gdn_whole)
     token = ACTIVE_ROW.set(row)
     try:
         out = decoder(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,

@@ -46,7 +46,7 @@ def test_one_pass_rule_equals_the_reference_and_flas_per_level_calls():
 def test_chunk_tables_cover_every_segment_in_whole_chunks(lengths):
     """Segment bounds, (segment, chunk) pairs and chunk offsets as FLA's varlen kernels read them: chunk j of segment
     s covers tokens cu[s] + 64 j .. min(cu[s] + 64 (j + 1), cu[s + 1]), every token in exactly one chunk."""
-    from grpo.gdn import _chunk_tables
+    from grpo.gdn_plan import _chunk_tables
 
     cu, chunk_indices, chunk_offsets = _chunk_tables(np.asarray(lengths, dtype=np.int64))
     assert cu.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()

@@ -158,9 +158,10 @@ def test_the_mixer_leaves_adapted_layers_to_the_eager_forward(gdn_layer):
 
 @pytest.mark.parametrize("checkpointing", ["false", "true"])
 def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing, monkeypatch):
-    """`compile_scope="layers_gdn"` through `build_policy` as train.py calls it (fp32 on CPU, inductor): every GDN
-    layer of the tiny Qwen3.5 runs the compiled mixer (the rule op's CPU reference standing in for FLA's one-pass
-    rule) on rows of other shapes; its tree-packed log-probs and gradients equal the
+    """`compile_scope="layers_gdn"` through `build_policy` as train.py calls it (fp32 on CPU, inductor), for GDN
+    layers not compiled whole (as with a sparse MLP): every GDN layer of the tiny Qwen3.5 runs the separately
+    compiled mixer (the rule op's CPU reference standing in for FLA's one-pass rule) on rows of other shapes; its
+    tree-packed log-probs and gradients equal the
     eager model's (FLA's per-level path, the token-by-token recurrence standing in for FLA), with and without
     gradient checkpointing."""
     import dataclasses
@@ -183,6 +184,7 @@ def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
     calls = []
     monkeypatch.setattr(gdn_graph, "graph_gdn_forward", _counting(gdn_graph.graph_gdn_forward, calls))
+    monkeypatch.setattr("grpo.model.whole_gdn_layers", lambda model: [])  # the decoder layers keep their regions
     base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), gradient_checkpointing=checkpointing)
     rows = [pack_samples(random_samples(5)), pack_samples([_sample(t) for t in TRIES["multi_level"](random.Random(2))])]
     results = []
@@ -207,3 +209,49 @@ def _counting(fn, calls: list):
         return out
 
     return counted
+
+
+def test_gdn_layers_compiled_whole_equal_eager(tiny_models, monkeypatch):
+    """`compile_scope="layers_gdn"` where FLA runs in one pass (standing in: the rule op's CPU reference) compiles the
+    tiny Qwen3.5's GDN decoder layers whole (norms, mixer, MLP: one graph each way), the mixer read from the row's
+    tables built before the decoder runs: log-probs and gradients equal the eager model's on three rows, no graph
+    break at the mixer, and the third row (new sizes) compiles nothing new."""
+    import dataclasses
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    import grpo.gdn as gdn
+    import grpo.gdn_graph as gdn_graph
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import DistInfo
+    from grpo.gdn_choice import GdnKernels
+    from grpo.model import whole_gdn_layers
+    from grpo.policy import build_policy
+    from test_train import random_samples
+    from test_tree_attention import assert_same_results, step_results
+
+    monkeypatch.setattr(gdn, "_COMPILED", {})
+    monkeypatch.setattr(gdn_graph, "_COMPILED", {})
+    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), gradient_checkpointing="false",
+                           attn_backend="flash_split")  # attention inside its layers' graphs too (the CPU reference)
+    rows = [pack_samples(random_samples(5))] + [pack_samples([_sample(t) for t in TRIES["multi_level"](
+        random.Random(seed))]) for seed in (2, 3)]
+    results, graphs = [], []
+    for one_pass, overrides in ((False, dict(compile_layers=False)),
+                                (True, dict(compile_layers=True, compile_scope="layers_gdn"))):
+        monkeypatch.setattr(gdn, "gdn_kernels", lambda *a, one_pass=one_pass, **kw: (
+            GdnKernels("fla", "fla", "test", one_pass=one_pass), _varlen_reference))
+        model, policy, *_ = build_policy(dataclasses.replace(base, **overrides), DistInfo(0, 1, 0, torch.device("cpu")),
+                                         2048)
+        counters.clear()
+        for row in rows:
+            results.append(step_results(model, policy, row))
+            graphs.append(counters["stats"]["unique_graphs"])
+        compiled = [layer for layer in whole_gdn_layers(model) if getattr(layer, "_compiled_call_impl", None)]
+    assert compiled and len(compiled) == sum(gdn.is_gdn_layer(m) for m in model.modules())
+    assert not counters["graph_break"], dict(counters["graph_break"])  # nothing breaks a compiled layer
+    assert graphs[4] == graphs[5], graphs  # the third row reused the graphs
+    assert_same_results(results[3:], results[:3])
