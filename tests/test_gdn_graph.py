@@ -211,11 +211,12 @@ def _counting(fn, calls: list):
     return counted
 
 
-def test_gdn_layers_compiled_whole_equal_eager(tiny_models, monkeypatch):
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_gdn_layers_compiled_whole_equal_eager(tiny_models, checkpointing, monkeypatch):
     """`compile_scope="layers_gdn"` where FLA runs in one pass (standing in: the rule op's CPU reference) compiles the
     tiny Qwen3.5's GDN decoder layers whole (norms, mixer, MLP: one graph each way), the mixer read from the row's
     tables built before the decoder runs: log-probs and gradients equal the eager model's on three rows, no graph
-    break at the mixer, and the third row (new sizes) compiles nothing new."""
+    break at the mixer, and the third row (new sizes) compiles nothing new; with and without gradient checkpointing."""
     import dataclasses
     import importlib
 
@@ -235,7 +236,7 @@ def test_gdn_layers_compiled_whole_equal_eager(tiny_models, monkeypatch):
     monkeypatch.setattr(gdn_graph, "_COMPILED", {})
     modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-    base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), gradient_checkpointing="false",
+    base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), gradient_checkpointing=checkpointing,
                            attn_backend="flash_split")  # attention inside its layers' graphs too (the CPU reference)
     rows = [pack_samples(random_samples(5))] + [pack_samples([_sample(t) for t in TRIES["multi_level"](
         random.Random(seed))]) for seed in (2, 3)]
