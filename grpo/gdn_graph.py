@@ -1,13 +1,16 @@
-"""A Gated DeltaNet mixer on a trie row as one compiled graph (`compile_scope="layers_gdn"`).
+"""Gated DeltaNet layers on a trie row as compiled graphs (`compile_scope="layers_gdn"`).
 
-With FLA's one-pass rule (grpo/gdn_fla.py) the eager tree forward of a GDN layer (grpo/gdn.py `tree_gdn_forward`) makes
-three compiled calls (the tree conv, the gates, the gated norm) and about fifteen eager ops around FLA (four input
-projections, the output projection, two permutations, splits), each a trip through Python on the host, where the
-Qwen3.5 step's forward waited on the host (docs/results.md). `mixer_formula` is that whole mixer as one function of
-tensors, compiled once for every GDN layer of the model (weights and the row's tables are arguments, nothing is a
-guarded constant but the head sizes), with the recurrence inside as a torch.library custom op (`grpo::gdn_tree_rule`
-and its backward), opaque to the compiler, as `grpo::split_attention` is for attention. The row's tables travel as
-tensors marked unbacked (only the op reads their lengths), so a new row does not recompile.
+With FLA's one-pass rule (grpo/gdn_fla.py) the eager tree forward of a GDN layer (grpo/gdn.py `tree_gdn_forward`)
+makes three compiled calls (the tree conv, the gates, the gated norm) and about fifteen eager ops around FLA (four
+input projections, the output projection, two permutations, splits), and the decoder layer three more compiled
+calls (two norms, the MLP): each a trip through Python on the host, where the Qwen3.5 step's forward waited on the
+host (docs/results.md). `mixer_formula` is the whole mixer as one function of tensors (weights and the row's tables
+are arguments, nothing is a guarded constant but the head sizes), with the recurrence inside as a torch.library
+custom op (`grpo::gdn_tree_rule` and its backward), opaque to the compiler, as `grpo::split_attention` is for
+attention. A GDN decoder layer with a dense MLP is compiled whole around it (grpo/model.py `whole_gdn_layers`; its
+mixer traced through `in_graph_forward` from the row's tables, `row_tables`, built before the decoder runs); the
+mixer of any other GDN layer is compiled alone (`graph_gdn_forward`). The row's tables travel as tensors marked
+unbacked (only the op reads their lengths), so a new row does not recompile.
 
 On CUDA the op runs FLA's one-pass rule; elsewhere (the CPU tests) the token-by-token recurrence along each segment's
 path, with the same contract.
@@ -29,19 +32,17 @@ def _rule_plan(seg_cu_seqlens, chunk_indices, chunk_offsets, parent_slots, level
     return RulePlan(seg_cu_seqlens, chunk_indices, chunk_offsets, bounds, tuple(slots))
 
 
-def _reference(q, k, v, g, beta, plan: RulePlan, starts=None):
-    """(o [N, H_v, D_v], the initial states of levels 1.. concatenated): the token-by-token recurrence per segment
-    (grpo.gdn_kernel `sequential_gated_delta_rule`, fp32 or wider), each segment from its parent's final state."""
+def _reference(q, k, v, g, beta, plan: RulePlan) -> torch.Tensor:
+    """o [N, H_v, D_v]: the token-by-token recurrence per segment (grpo.gdn_kernel `sequential_gated_delta_rule`,
+    fp32 or wider), each segment from its parent's final state."""
     from grpo.gdn_kernel import sequential_gated_delta_rule
 
     group = v.shape[1] // q.shape[1]
     q, k = (t.repeat_interleave(group, dim=1) for t in (q, k))
     bounds = plan.seg_cu_seqlens.tolist()
-    outs, initial, finals = [], [], None
+    outs, finals = [], None
     for first, stop, slots in plan.levels():
         h0 = None if slots is None else finals.index_select(0, slots)
-        if h0 is not None:
-            initial.append(h0)
         level_finals = []
         for i, seg in enumerate(range(first, stop)):
             lo, hi = bounds[seg], bounds[seg + 1]
@@ -50,8 +51,7 @@ def _reference(q, k, v, g, beta, plan: RulePlan, starts=None):
             outs.append(o[0])
             level_finals.append(f)
         finals = torch.cat(level_finals)
-    empty = q.new_zeros(0, v.shape[1], q.shape[2], v.shape[2])
-    return torch.cat(outs).to(q.dtype), torch.cat(initial) if initial else empty
+    return torch.cat(outs).to(q.dtype)
 
 
 @torch.library.custom_op("grpo::gdn_tree_rule", mutates_args=())
@@ -68,7 +68,7 @@ def gdn_tree_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         o, g_cum, a_inv, starts = rule_forward(q[None], k[None], v[None], g[None], beta[None], plan,
                                                fla_tree_kernels())
         return o[0], g_cum[0], a_inv[0], (torch.cat(starts) if starts else _no_starts(q, v))
-    o, _ = _reference(q, k, v, g, beta, plan)
+    o = _reference(q, k, v, g, beta, plan)
     n, heads = v.shape[:2]
     return (o, g.new_zeros(n, heads, dtype=torch.float32), k.new_zeros(n, heads, 64),
             q.new_zeros(parent_slots.shape[0], heads, q.shape[2], v.shape[2], dtype=torch.float32))
@@ -98,7 +98,7 @@ def gdn_tree_rule_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         grads = rule_backward(do[None], q[None], k[None], v[None], g_cum[None], beta[None], a_inv[None],
                               list(starts.split(sizes)), plan, fla_tree_kernels())
         return tuple(t[0].to(x.dtype) for t, x in zip(grads, (q, k, v, g, beta)))
-    _, vjp = torch.func.vjp(lambda *xs: _reference(*xs, plan)[0], q, k, v, g, beta)  # autograd is off in here
+    _, vjp = torch.func.vjp(lambda *xs: _reference(*xs, plan), q, k, v, g, beta)  # autograd is off in here
     return tuple(t.contiguous() for t in vjp(do))
 
 
