@@ -164,6 +164,30 @@ def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing
     tree-packed log-probs and gradients equal the
     eager model's (FLA's per-level path, the token-by-token recurrence standing in for FLA), with and without
     gradient checkpointing."""
+    from torch._dynamo.utils import counters
+
+    import grpo.gdn as gdn
+    import grpo.gdn_graph as gdn_graph
+    from test_train import random_samples
+    from test_tree_attention import assert_same_results
+
+    calls = []
+    monkeypatch.setattr(gdn_graph, "graph_gdn_forward", _counting(gdn_graph.graph_gdn_forward, calls))
+    monkeypatch.setattr("grpo.model.whole_gdn_layers", lambda model: [])  # the decoder layers keep their regions
+    rows = [pack_samples(random_samples(5)), pack_samples([_sample(t) for t in TRIES["multi_level"](random.Random(2))])]
+    eager, compiled, _, model = _eager_then_layers_gdn(tiny_models, monkeypatch, rows,
+                                                       gradient_checkpointing=checkpointing)
+    n_gdn = sum(gdn.is_gdn_layer(m) for m in model.modules())
+    assert n_gdn and sum(out is not None for out in calls) >= len(rows) * n_gdn  # every GDN forward in the graph
+    assert not [r for r in counters["graph_break"] if "gdn" in r.lower()], dict(counters["graph_break"])
+    assert_same_results(compiled, eager)
+
+
+def _eager_then_layers_gdn(tiny_models, monkeypatch, rows, **config) -> tuple:
+    """The tiny Qwen3.5 policy built twice through `build_policy` (fp32 on CPU) with FLA standing in as the
+    token-by-token recurrence: eager on FLA's per-level path, then `compile_scope="layers_gdn"` with the one-pass
+    rule (the rule op's CPU reference). Returns (eager `step_results` of `rows`, compiled ones, unique-graph counts
+    after each compiled row, the compiled model); dynamo's counters hold the compiled run's."""
     import dataclasses
     import importlib
 
@@ -175,19 +199,14 @@ def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing
     from grpo.distributed import DistInfo
     from grpo.gdn_choice import GdnKernels
     from grpo.policy import build_policy
-    from test_train import random_samples
-    from test_tree_attention import assert_same_results, step_results
+    from test_tree_attention import step_results
 
     monkeypatch.setattr(gdn, "_COMPILED", {})  # process-wide compile state, put back after the test
     monkeypatch.setattr(gdn_graph, "_COMPILED", {})
     modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-    calls = []
-    monkeypatch.setattr(gdn_graph, "graph_gdn_forward", _counting(gdn_graph.graph_gdn_forward, calls))
-    monkeypatch.setattr("grpo.model.whole_gdn_layers", lambda model: [])  # the decoder layers keep their regions
-    base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), gradient_checkpointing=checkpointing)
-    rows = [pack_samples(random_samples(5)), pack_samples([_sample(t) for t in TRIES["multi_level"](random.Random(2))])]
-    results = []
+    base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), **config)
+    runs, graphs = [], []
     for one_pass, overrides in ((False, dict(compile_layers=False)),
                                 (True, dict(compile_layers=True, compile_scope="layers_gdn"))):
         monkeypatch.setattr(gdn, "gdn_kernels", lambda *a, one_pass=one_pass, **kw: (
@@ -195,11 +214,11 @@ def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing
         model, policy, *_ = build_policy(dataclasses.replace(base, **overrides), DistInfo(0, 1, 0, torch.device("cpu")),
                                          2048)
         counters.clear()
-        results += [step_results(model, policy, row) for row in rows]
-        n_gdn = sum(gdn.is_gdn_layer(m) for m in model.modules())
-    assert n_gdn and sum(out is not None for out in calls) >= len(rows) * n_gdn  # every GDN forward in the graph
-    assert not [r for r in counters["graph_break"] if "gdn" in r.lower()], dict(counters["graph_break"])
-    assert_same_results(results[len(rows):], results[:len(rows)])
+        runs.append([])
+        for row in rows:
+            runs[-1].append(step_results(model, policy, row))
+            graphs.append(counters["stats"]["unique_graphs"])
+    return runs[0], runs[1], graphs[len(rows):], model
 
 
 def _counting(fn, calls: list):
@@ -217,42 +236,19 @@ def test_gdn_layers_compiled_whole_equal_eager(tiny_models, checkpointing, monke
     tiny Qwen3.5's GDN decoder layers whole (norms, mixer, MLP: one graph each way), the mixer read from the row's
     tables built before the decoder runs: log-probs and gradients equal the eager model's on three rows, no graph
     break at the mixer, and the third row (new sizes) compiles nothing new; with and without gradient checkpointing."""
-    import dataclasses
-    import importlib
-
     from torch._dynamo.utils import counters
 
     import grpo.gdn as gdn
-    import grpo.gdn_graph as gdn_graph
-    from grpo.config import AsyncGRPOConfig
-    from grpo.distributed import DistInfo
-    from grpo.gdn_choice import GdnKernels
     from grpo.model import whole_gdn_layers
-    from grpo.policy import build_policy
     from test_train import random_samples
-    from test_tree_attention import assert_same_results, step_results
+    from test_tree_attention import assert_same_results
 
-    monkeypatch.setattr(gdn, "_COMPILED", {})
-    monkeypatch.setattr(gdn_graph, "_COMPILED", {})
-    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-    base = AsyncGRPOConfig(model=str(tiny_models["qwen3_5"]), gradient_checkpointing=checkpointing,
-                           attn_backend="flash_split")  # attention inside its layers' graphs too (the CPU reference)
     rows = [pack_samples(random_samples(5))] + [pack_samples([_sample(t) for t in TRIES["multi_level"](
         random.Random(seed))]) for seed in (2, 3)]
-    results, graphs = [], []
-    for one_pass, overrides in ((False, dict(compile_layers=False)),
-                                (True, dict(compile_layers=True, compile_scope="layers_gdn"))):
-        monkeypatch.setattr(gdn, "gdn_kernels", lambda *a, one_pass=one_pass, **kw: (
-            GdnKernels("fla", "fla", "test", one_pass=one_pass), _varlen_reference))
-        model, policy, *_ = build_policy(dataclasses.replace(base, **overrides), DistInfo(0, 1, 0, torch.device("cpu")),
-                                         2048)
-        counters.clear()
-        for row in rows:
-            results.append(step_results(model, policy, row))
-            graphs.append(counters["stats"]["unique_graphs"])
-        compiled = [layer for layer in whole_gdn_layers(model) if getattr(layer, "_compiled_call_impl", None)]
+    eager, fast, graphs, model = _eager_then_layers_gdn(  # attention in its layers' graphs too (the CPU reference)
+        tiny_models, monkeypatch, rows, gradient_checkpointing=checkpointing, attn_backend="flash_split")
+    compiled = [layer for layer in whole_gdn_layers(model) if getattr(layer, "_compiled_call_impl", None)]
     assert compiled and len(compiled) == sum(gdn.is_gdn_layer(m) for m in model.modules())
     assert not counters["graph_break"], dict(counters["graph_break"])  # nothing breaks a compiled layer
-    assert graphs[4] == graphs[5], graphs  # the third row reused the graphs
-    assert_same_results(results[3:], results[:3])
+    assert graphs[1] == graphs[2], graphs  # the third row reused the graphs
+    assert_same_results(fast, eager)
