@@ -437,7 +437,8 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/bench_step_models"))
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--check", action="store_true",
-                   help="first compare the fast path's packed log-probs with per-sample forwards (bf16 on GPU)")
+                   help="first compare the fast path's packed log-probs with per-sample forwards (bf16 on GPU), for "
+                        "each variant's config")
     p.add_argument("--skip-defaults", action="store_true", help="run only the --set variants")
     p.add_argument("--profile", action="store_true", help="print the top kernels of the first case's timed steps")
     p.add_argument("--trace", type=Path, default=None,
@@ -451,11 +452,12 @@ def main() -> None:
 
     barrier(info)
     model_dir = Path(broadcast_object(str(model_dir) if model_dir else None, info))
-    if args.check:
-        check = check_packed_vs_unpacked(model_dir, info, {})
-        if info.is_main:
-            print(f"CHECK {args.shape} packed vs per-sample log-probs: {json.dumps(check)}", flush=True)
     variants = ([] if args.skip_defaults else [{}]) + [parse_overrides(s) for s in args.set if s]
+    if args.check:  # each variant's config (its bench switches aside), once
+        for fields in {json.dumps({k: v for k, v in o.items() if k not in BENCH_SWITCHES}): o for o in variants}:
+            check = check_packed_vs_unpacked(model_dir, info, json.loads(fields))
+            if info.is_main:
+                print(f"CHECK {args.shape} {fields} packed vs per-sample log-probs: {json.dumps(check)}", flush=True)
     results = []
     for overrides in variants:
         for ratio in args.ratio:
