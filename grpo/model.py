@@ -125,11 +125,10 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     of compiled modules. `scope="layers"` compiles each dense attention layer whole instead (`whole_layers`) and the
     regions of the other layers; `scope="layers_gdn"` also each Gated DeltaNet layer whole where FLA runs it in one
     pass per row (`whole_gdn_layers`), and the mixer of the other GDN layers (grpo/gdn_graph.py)."""
-    import os
     import sys
 
     from grpo.distributed import decoder_layers
-    from grpo.gdn import compile_chunk_regions, compile_tree_conv, is_gdn_layer
+    from grpo.gdn import is_gdn_layer
 
     if scope not in ("regions", "layers", "layers_gdn"):
         raise ValueError(f"compile_scope must be regions, layers or layers_gdn, got {scope!r}")
@@ -145,16 +144,7 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     inside = {id(m) for layer in whole for m in layer.modules()}
     compiled = len(whole)
     if any(is_gdn_layer(m) for m in model.modules()):
-        compile_tree_conv()
-        compiled += 1
-        if scope == "layers_gdn":
-            from grpo.gdn_graph import compile_gdn_mixer
-
-            compile_gdn_mixer()  # used where FLA runs in one pass per row (grpo/gdn_graph.py)
-            compiled += 1
-        if os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
-            compile_chunk_regions()
-            compiled += 2
+        compiled += _compile_gdn_regions(scope)
     norms = [m for m in model.modules()
              if type(m).__name__.endswith(("RMSNorm", "RMSNormGated")) and id(m) not in inside]
     mlps = [layer.mlp for layer in decoder_layers(model)
@@ -171,6 +161,26 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
             fast._grpo_compiled = True
             modeling.apply_rotary_pos_emb = fast
             compiled += 1
+    return compiled
+
+
+def _compile_gdn_regions(scope: str) -> int:
+    """Gated DeltaNet's compiled regions (module-wide, so counted once): the tree conv and gates; with `layers_gdn` the
+    mixer of GDN layers not compiled whole; with GRPO_GDN_COMPILE=1 the torch kernel's regions."""
+    import os
+
+    from grpo.gdn import compile_chunk_regions, compile_tree_conv
+
+    compile_tree_conv()
+    compiled = 1
+    if scope == "layers_gdn":
+        from grpo.gdn_graph import compile_gdn_mixer
+
+        compile_gdn_mixer()  # used where FLA runs in one pass per row (grpo/gdn_graph.py)
+        compiled += 1
+    if os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
+        compile_chunk_regions()
+        compiled += 2
     return compiled
 
 

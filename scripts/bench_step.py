@@ -364,6 +364,14 @@ def _layers(model):
     return decoder_layers(model)
 
 
+def run_checks(shape: str, model_dir: Path, info, variants: list[dict]) -> None:
+    """`--check`: packed vs per-sample log-probs for each variant's config (its bench switches aside), once each."""
+    for fields in {json.dumps({k: v for k, v in o.items() if k not in BENCH_SWITCHES}): o for o in variants}:
+        check = check_packed_vs_unpacked(model_dir, info, json.loads(fields))
+        if info.is_main:
+            print(f"CHECK {shape} {fields} packed vs per-sample log-probs: {json.dumps(check)}", flush=True)
+
+
 def parse_overrides(items: list[str]) -> dict:
     """key=value pairs for AsyncGRPOConfig; values parsed as JSON where they parse (true, 3, 0.5), else strings."""
     out = {}
@@ -453,11 +461,8 @@ def main() -> None:
     barrier(info)
     model_dir = Path(broadcast_object(str(model_dir) if model_dir else None, info))
     variants = ([] if args.skip_defaults else [{}]) + [parse_overrides(s) for s in args.set if s]
-    if args.check:  # each variant's config (its bench switches aside), once
-        for fields in {json.dumps({k: v for k, v in o.items() if k not in BENCH_SWITCHES}): o for o in variants}:
-            check = check_packed_vs_unpacked(model_dir, info, json.loads(fields))
-            if info.is_main:
-                print(f"CHECK {args.shape} {fields} packed vs per-sample log-probs: {json.dumps(check)}", flush=True)
+    if args.check:
+        run_checks(args.shape, model_dir, info, variants)
     results = []
     for overrides in variants:
         for ratio in args.ratio:
