@@ -10,9 +10,10 @@ row is in that order already):
   chunk's state gradient, from the next one). Those two are launched once per level, over that level's segments,
   each segment starting from its parent's final state (forward) and its children's initial-state gradients summed
   into its final-state gradient (backward). Every other kernel (gate cumsum, the WY representation, outputs, the
-  local value gradient, dq/dk/dw/dg, the WY backward) runs once for the row: per layer and trie level, two kernel
-  launches instead of FLA's whole call (about 6 launches forward, 9 backward, and its Python around them; on an
-  H200 the host's time for those calls, not the GPU's, bounded the Qwen3.5 tree step's forward).
+  local value gradient, dq/dk/dw/dg, the WY backward) runs once for the row: per layer, each level past the first
+  costs three kernel launches (the forward state kernel, its recompute in the backward, the backward state kernel)
+  instead of FLA's whole call (12 launches forward and backward with fla-core 0.6, and its Python around them; on
+  an H200 the host's time for those calls, not the GPU's, bounded the Qwen3.5 tree step's forward).
 - `tree_varlen_gated_delta_rule`: FLA's public `chunk_gated_delta_rule` once per level (or any kernel with its
   varlen signature): what runs where this fla-core's internals differ from the ones `fla_tree_kernels` knows.
 
