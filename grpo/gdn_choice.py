@@ -320,8 +320,9 @@ def _check_one_pass(fla_rule, device: torch.device, heads: tuple[int, int, int, 
     conv hands them over): the output and, with `backward`, the q, k, v, g, beta gradients within 1e-2 of each
     value's scale (both run FLA's kernels on the same chunks, so they agree to rounding); returns the largest error,
     raises RuntimeError above it."""
-    from grpo.gdn import plan_tree_scan
     from grpo.gdn_fla import tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule
+    from grpo.gdn_kernel import l2norm
+    from grpo.gdn_plan import plan_tree_scan
 
     token_pred = torch.arange(-1, 143)
     token_pred[[64, 104, 124]] = torch.tensor([63, -1, 123])
@@ -334,16 +335,19 @@ def _check_one_pass(fla_rule, device: torch.device, heads: tuple[int, int, int, 
                 lambda *t: tree_varlen_gated_delta_rule(fla_rule, *t, plan, use_qk_l2norm_in_kernel=False)):
         leaves = [t.detach().clone().requires_grad_(backward) for t in inputs]
         with torch.set_grad_enabled(backward):
-            q, k = (x * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6).to(x.dtype) for x in leaves[:2])
+            q, k = (l2norm(x.float()).to(x.dtype) for x in leaves[:2])
             out = run(q, k, *leaves[2:])
         grads = torch.autograd.grad((out.float() * weights).sum(), leaves) if backward else []
         results.append([out.detach().float()] + [g.float() for g in grads])
-    errors = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(*results)]
-    if max(errors) > 1e-2:
-        names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
-        raise RuntimeError("differs from FLA per trie level: "
-                           + ", ".join(f"{n} {e:.3g}" for n, e in zip(names, errors)))
-    return max(errors)
+    errors = _scale_errors(["out", "dq", "dk", "dv", "dg", "dbeta"], *results)
+    if max(errors.values()) > 1e-2:
+        raise RuntimeError("differs from FLA per trie level: " + ", ".join(f"{n} {e:.3g}" for n, e in errors.items()))
+    return max(errors.values())
+
+
+def _scale_errors(names: list[str], got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, float]:
+    """name -> max |got - want| as a fraction of want's largest magnitude."""
+    return {name: float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for name, a, b in zip(names, got, want)}
 
 
 CHECK_PROGRESS_S = 30.0
@@ -418,7 +422,7 @@ def _check_once(rule, device: torch.device, heads: tuple[int, int, int, int], wi
     ((ref_out * weights).sum() + ref_final.sum()).backward()
     want = [ref_out.detach(), ref_final.detach()] + [t.grad for t in ref_inputs]
     names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    errors = {name: float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for name, a, b in zip(names, got, want)}
+    errors = _scale_errors(names, got, want)
     worst = max(errors, key=errors.get)
     if errors[worst] > BACKWARD_CHECK_TOL:
         raise RuntimeError(f"{worst} is off by {errors[worst]:.3g} of its scale (tolerance {BACKWARD_CHECK_TOL}"

@@ -168,11 +168,10 @@ def _fla_variant(name: str, device):
 
 def _one_pass_rule(q, k, v, g, beta, plan):
     """grpo/gdn_fla.py's one-pass rule with q and k L2-normalised first (FLA's formula), as the tree conv does."""
-    import torch
-
     from grpo.gdn import tree_fla_gated_delta_rule
+    from grpo.gdn_kernel import l2norm
 
-    q, k = (x * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6).to(x.dtype) for x in (q, k))
+    q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
     return tree_fla_gated_delta_rule(q, k, v, g, beta, plan)
 
 

@@ -188,6 +188,7 @@ def test_fla_varlen_recurrence_matches_padded_torch_levels():
     from grpo.gdn import chunk_gated_delta_rule, fla_directions, tree_varlen_gated_delta_rule
     from grpo.gdn_choice import install_torch_dqkwg
     from grpo.gdn_fla import fla_tree_kernels, tree_fla_gated_delta_rule
+    from grpo.gdn_kernel import l2norm
 
     _, backward_ok, reason = fla_directions(triton.__version__, torch.cuda.get_device_capability())
     if not backward_ok and install_torch_dqkwg():
@@ -204,7 +205,7 @@ def test_fla_varlen_recurrence_matches_padded_torch_levels():
         if path == "fla per level":
             out = tree_varlen_gated_delta_rule(fla.chunk_gated_delta_rule, q, k, v, g, beta, plan)
         elif path == "fla one pass":  # takes q and k normalised, as the tree conv hands them over
-            qn, kn = (x * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6).to(x.dtype) for x in (q, k))
+            qn, kn = (l2norm(x.float()).to(x.dtype) for x in (q, k))
             out = tree_fla_gated_delta_rule(qn, kn, v, g, beta, plan)
         else:
             out = _torch_levels(chunk_gated_delta_rule, q, k, v, g, beta, plan)
