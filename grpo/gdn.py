@@ -43,8 +43,9 @@ a row), and calls the original forward otherwise.
 
 from __future__ import annotations
 
-import functools
 import logging
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -280,7 +281,10 @@ def patch_gdn_layers(model, kernel: str = "auto") -> int:
         module._tree_gdn_kernel = kernel
         if getattr(module, "_tree_original_forward", None) is None:
             module._tree_original_forward = module.forward
-            module.forward = functools.partial(_tree_aware_forward, module, plan_cache)
+            module._tree_plan_cache = plan_cache
+            # a method of the shared function, not a per-layer partial: dynamo guards a partial by its id, so a decoder
+            # layer compiled whole would compile once per GDN layer (past its recompile limit on Qwen3.5-2B)
+            module.forward = types.MethodType(_tree_aware_forward, module)
     return n_layers
 
 
@@ -318,8 +322,7 @@ def _active_row_and_plan(layer, plan_cache: _RowPlanCache, tree_context):
     return tree_context.row, tree_context.cache[key]
 
 
-def _tree_aware_forward(layer, plan_cache: _RowPlanCache, hidden_states, cache_params=None, attention_mask=None,
-                        **kwargs):
+def _tree_aware_forward(layer, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     tables = getattr(kwargs.get("tree_context"), "gdn_tables", None)
     if tables is not None and torch.compiler.is_compiling():  # inside a decoder layer compiled whole (layers_gdn)
         from grpo.gdn_graph import in_graph_forward
@@ -327,7 +330,7 @@ def _tree_aware_forward(layer, plan_cache: _RowPlanCache, hidden_states, cache_p
         out = in_graph_forward(layer, hidden_states, tables)
         if out is not None:
             return out
-    row, plan = _active_row_and_plan(layer, plan_cache, kwargs.get("tree_context"))
+    row, plan = _active_row_and_plan(layer, layer._tree_plan_cache, kwargs.get("tree_context"))
     if row is None:
         return layer._tree_original_forward(hidden_states, cache_params=cache_params,
                                             attention_mask=attention_mask, **kwargs)

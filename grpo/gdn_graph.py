@@ -141,9 +141,14 @@ def mixer_weights(layer) -> tuple | None:
 
 def mixer_tables(plan) -> tuple:
     """The row's tables as `mixer_formula` takes them (from a grpo.gdn.TreeScanPlan on the row's device), their
-    lengths marked unbacked so that a new row does not recompile the graph."""
-    tables = (plan.ordered_conv_fix_index, plan.ordered_fix_window, plan.seg_cu_seqlens, plan.chunk_indices,
-              plan.chunk_offsets, plan.parent_slots, torch.tensor(plan.level_segments, dtype=torch.long))
+    lengths marked unbacked so that a new row does not recompile the graph. The conv's recomputed rows are never
+    none: inductor's 2-D Triton kernels over an unbacked length divide by zero at launch when it is 0 (torch 2.11,
+    seen on an H200 with a plain row)."""
+    fix_index, fix_window = plan.ordered_conv_fix_index, plan.ordered_fix_window
+    if fix_index.numel() == 0:  # no segment continues a parent: recompute token 0 from its own window (the same value)
+        fix_index, fix_window = fix_index.new_zeros(1), plan.ordered_conv_index[:1].clone()
+    tables = (fix_index, fix_window, plan.seg_cu_seqlens, plan.chunk_indices, plan.chunk_offsets, plan.parent_slots,
+              torch.tensor(plan.level_segments, dtype=torch.long))
     for t in tables:
         torch._dynamo.decorators.mark_unbacked(t, 0)
     return (plan.order, plan.unpermute, *tables)

@@ -18,7 +18,7 @@ from grpo.gdn_graph import gdn_tree_rule_op, mixer_formula, mixer_tables, mixer_
 from grpo.trie import pack_samples
 from test_gdn import TRIES, _sample
 
-ROWS = ["shared_prompt", "multi_level", "nothing_shared"]
+ROWS = ["shared_prompt", "multi_level", "nothing_shared", "one_sequence"]
 GATE_ROUNDING = 1e-6
 """Tolerance of the layer comparisons (fp64 weights and inputs): the gates are computed in fp32 as transformers does
 (`gdn_gates`), and the mixer takes them in level-major order where the layer's forward permutes them after, so their
@@ -26,7 +26,8 @@ gradients are summed in another order (measured: up to 6e-8 of scale); a wrong t
 
 
 def _row_plan(kind: str, seed: int = 0):
-    row = pack_samples([_sample(t) for t in TRIES[kind](random.Random(seed))])
+    samples = [_sample(t) for t in TRIES[kind.replace("one_sequence", "nothing_shared")](random.Random(seed))]
+    row = pack_samples(samples[:1] if kind == "one_sequence" else samples)
     return row, plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
 
 
@@ -126,6 +127,16 @@ def test_the_mixer_formula_equals_the_layers_tree_forward(gdn_layer, kind):
     got, want = _mixer_vs_layer(gdn_layer, kind, mixer_formula)
     errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)]
     assert max(errors) < GATE_ROUNDING, errors
+
+
+def test_the_mixer_tables_recompute_at_least_one_conv_row():
+    """A row of one sequence has no conv row to recompute; the mixer's tables still give it one (token 0 from its
+    own window), as a zero length breaks inductor's Triton launch (torch 2.11). The mixer equals the layer there
+    (`one_sequence` in ROWS)."""
+    _, plan = _row_plan("one_sequence")
+    assert plan.ordered_conv_fix_index.numel() == 0
+    fix_index, fix_window = mixer_tables(plan)[2:4]
+    assert fix_index.tolist() == [0] and torch.equal(fix_window, plan.ordered_conv_index[:1])
 
 
 def test_the_mixer_compiles_once_for_rows_of_every_shape(gdn_layer):
@@ -236,9 +247,11 @@ def test_gdn_layers_compiled_whole_equal_eager(tiny_models, checkpointing, monke
     tiny Qwen3.5's GDN decoder layers whole (norms, mixer, MLP: one graph each way), the mixer read from the row's
     tables built before the decoder runs: log-probs and gradients equal the eager model's on three rows, no graph
     break at the mixer, and the third row (new sizes) compiles nothing new; with and without gradient checkpointing."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
     import grpo.gdn as gdn
+    from grpo.gdn_plan import row_plan
     from grpo.model import whole_gdn_layers
     from test_train import random_samples
     from test_tree_attention import assert_same_results
@@ -251,4 +264,9 @@ def test_gdn_layers_compiled_whole_equal_eager(tiny_models, checkpointing, monke
     assert compiled and len(compiled) == sum(gdn.is_gdn_layer(m) for m in model.modules())
     assert not counters["graph_break"], dict(counters["graph_break"])  # nothing breaks a compiled layer
     assert graphs[1] == graphs[2], graphs  # the third row reused the graphs
+    # one graph per layer kind (GDN, attention) and permute value, not one per layer: dynamo's recompile limit (8) would
+    # leave most of Qwen3.5-2B's 18 GDN layers eager
+    permutes = {not row_plan(row, compiled[0].linear_attn.conv_kernel_size).level_major for row in rows}
+    entries = _debug_get_cache_entry_list(type(compiled[0]).forward.__code__)
+    assert 2 <= len(entries) <= 2 * len(permutes), (len(entries), permutes)
     assert_same_results(fast, eager)
