@@ -59,13 +59,15 @@ class AsyncGRPOConfig:
     compile_layers: bool | None = None
     """torch.compile each decoder layer's norms, MLP and rotary embedding, Gated DeltaNet's tree conv and gated norm,
     and the log-prob head's softmax passes (fused elementwise work); None = on when CUDA is available."""
-    compile_scope: Literal["regions", "layers", "layers_gdn"] = "layers"
-    """What `compile_layers` compiles: layers = each dense attention layer whole (one graph with `flash_split`, a
-    custom op inside it; other backends split it into two graphs; Gated DeltaNet and MoE layers keep their regions);
-    regions = the norms, MLP and rotary embedding of each layer, one compiled call each (~6 per layer); layers_gdn =
-    layers, and where FLA runs Gated DeltaNet in one pass per row, each GDN layer whole too (FLA a custom op inside;
-    with a sparse MLP, its mixer alone; grpo/gdn_graph.py; not yet measured on a GPU). On an H200 (2026-12-03) layers gave the Qwen3-0.6B step +5-17 %
-    and Qwen3-1.7B +1-5 % trained tokens/s over regions."""
+    compile_scope: Literal["regions", "layers", "layers_gdn"] = "layers_gdn"
+    """What `compile_layers` compiles: layers_gdn = each dense attention layer whole, and where FLA runs Gated
+    DeltaNet in one pass per row each GDN layer whole too (FLA a custom op inside; with a sparse MLP, its mixer
+    alone; grpo/gdn_graph.py); layers = the attention layers whole only (GDN layers keep their regions); regions =
+    the norms, MLP and rotary embedding of each layer, one compiled call each (~6 per layer). The attention layer's
+    graph holds `flash_split` as a custom op (other backends split it into two graphs); MoE layers keep their
+    regions. On an H200: layers gave the Qwen3-0.6B step +5-17 % and Qwen3-1.7B +1-5 % trained tokens/s over
+    regions (2026-12-03); layers_gdn gave the Qwen3.5-2B step +10 % (tree) and +12 % (plain) over layers
+    (2026-12-05, 40.5 % MFU)."""
     gdn_kernel: Literal["auto", "fla", "torch"] = "auto"
     """Gated DeltaNet (Qwen3.5) recurrence on tree rows: fla = flash-linear-attention's varlen Triton kernel
     (`pip install fla-core`), torch = this project's chunked torch kernel per padded trie level (grpo/gdn_kernel.py);

@@ -5,7 +5,7 @@
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_split_in_graph=false  # eager split vs op
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --set bench_cpp_wrapper=true  # kernels launched from C++
     python scripts/bench_step.py --shape Qwen3.5-2B --ratio 3.4 --set bench_gdn_per_level=true  # FLA per trie level too
-    python scripts/bench_step.py --shape Qwen3.5-2B --ratio 3.4 --set compile_scope=layers_gdn  # GDN mixers as graphs
+    python scripts/bench_step.py --shape Qwen3.5-2B --ratio 3.4 --set compile_scope=layers  # GDN layers not compiled whole
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --modes tree --profile --trace /tmp/q06.json  # timeline
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --sync-every 1  # each step read back before the next
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
