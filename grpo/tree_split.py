@@ -65,9 +65,10 @@ def _probs(q, k, cu_q, cu_k, causal, scale):
 
 def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """q [T_q, H, D], k/v [T_k, Hkv, D] -> (out [T_q, H, D], lse [H, T_q] fp32, aux): FlashAttention's varlen
-    contract, computed densely."""
-    s, _, dtype = _probs(q, k, cu_q, cu_k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)  # [H, T_q]
+    contract, computed densely; a query with no keys (a sequence of 0 keys) gets out 0 and lse +inf, as
+    FlashAttention writes them."""
+    s, allowed, dtype = _probs(q, k, cu_q, cu_k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1).masked_fill(~allowed.any(-1), float("inf"))  # [H, T_q]
     p = torch.exp(s - lse[..., None])
     out = torch.einsum("hqk,khd->qhd", p, repeat_kv(v, q.shape[1]).to(dtype))
     return out.to(q.dtype), lse, None
@@ -112,7 +113,8 @@ def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
 
 @dataclass
 class SplitPlan:
-    """Index plan of one row on its device: part 1 = the row's segments, part 2 = children grouped by parent."""
+    """Index plan of one row on its device: part 1 = the row's segments, part 2 = children grouped by parent, or
+    in place: the row's runs of segments with the same parent (`PackedRow.anc_in_place`)."""
 
     cu_q: torch.Tensor  # [S+1] int32, segment bounds
     max_q: int
@@ -123,17 +125,19 @@ class SplitPlan:
     anc_max_q: int
     anc_max_k: int
     flash: bool  # CUDA primitives, else the dense reference
+    in_place: bool = False  # part 2 over the row's runs; anc_q_index is then the [N] bool mask of non-root tokens
 
     @classmethod
     def of(cls, row: PackedRow, flash: bool) -> SplitPlan:
         return cls(row.cu_seqlens_q, row.max_seqlen_q, row.anc_q_index, row.anc_cu_q, row.anc_kv_index,
-                   row.anc_cu_k, row.anc_max_q, row.anc_max_k, flash)
+                   row.anc_cu_k, row.anc_max_q, row.anc_max_k, flash, row.anc_in_place)
 
     @classmethod
     def of_tensors(cls, cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, sizes, flash: bool) -> SplitPlan:
-        """The plan from `plan_tensors`' tensors (sizes = [max_q, anc_max_q, anc_max_k], CPU)."""
-        max_q, anc_max_q, anc_max_k = (int(x) for x in sizes.tolist())
-        return cls(cu_q, max_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, anc_max_q, anc_max_k, flash)
+        """The plan from `plan_tensors`' tensors (sizes = [max_q, anc_max_q, anc_max_k, in_place], CPU)."""
+        max_q, anc_max_q, anc_max_k, in_place = (int(x) for x in sizes.tolist())
+        return cls(cu_q, max_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k, anc_max_q, anc_max_k, flash,
+                   bool(in_place))
 
     @property
     def has_ancestors(self) -> bool:
@@ -153,8 +157,33 @@ def _merge(out_a, lse_a, out_b, lse_b, index):
     return out_a.index_copy(0, index, merged.to(out_a.dtype)), lse_a.index_copy(1, index, lse_m)
 
 
+def merge_in_place(out_a, lse_a, out_b, lse_b, has_parent):
+    """Fold an in-place part 2 (every row of the row; keys only where `has_parent`) into part 1: the exact merge
+    where a token has a parent, part 1 unchanged elsewhere (whatever part 2 wrote there: FlashAttention writes 0
+    and lse +inf for a query without keys). Pointwise: compiled into one kernel on CUDA (`_merge_rows`)."""
+    lse_b = torch.where(has_parent[None, :], lse_b, float("-inf"))
+    lse_m = torch.logaddexp(lse_a, lse_b)  # == lse_a where there is no part 2
+    wa = torch.exp(lse_a - lse_m).transpose(0, 1).unsqueeze(-1)  # [N, H, 1]
+    wb = torch.exp(lse_b - lse_m).transpose(0, 1).unsqueeze(-1)
+    out_b = torch.where(has_parent[:, None, None], out_b.to(wa.dtype), 0.0)
+    return (out_a.to(wa.dtype) * wa + out_b * wb).to(out_a.dtype), lse_m
+
+
+_COMPILED_MERGE: list = []
+
+
+def _merge_rows(out_a, lse_a, out_b, lse_b, has_parent):
+    """`merge_in_place`, compiled on CUDA (eager: a dozen [N, H, D] passes in fp32 per attention layer)."""
+    if not out_a.is_cuda:
+        return merge_in_place(out_a, lse_a, out_b, lse_b, has_parent)
+    if not _COMPILED_MERGE:
+        _COMPILED_MERGE.append(torch.compile(merge_in_place, dynamic=True))
+    return _COMPILED_MERGE[0](out_a, lse_a, out_b, lse_b, has_parent)
+
+
 def _split_forward(q, k, v, plan: SplitPlan, scale: float):
-    """(out, lse, aux of part 1, aux of part 2 or None): part 1 over the row, part 2 per parent, merged."""
+    """(out, lse, aux of part 1, aux of part 2 or None): part 1 over the row, part 2 per parent (or per run in
+    place), merged."""
     fwd, _ = plan.ops()
     out, lse, aux = fwd(q, k, v, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale)
     aux_b = None
@@ -162,7 +191,10 @@ def _split_forward(q, k, v, plan: SplitPlan, scale: float):
         qb, kb, vb = _part2_inputs(plan, q, k, v)
         out_b, lse_b, aux_b = fwd(qb, kb, vb, plan.anc_cu_q, plan.anc_cu_k, plan.anc_max_q, plan.anc_max_k,
                                   False, scale)
-        out, lse = _merge(out, lse, out_b, lse_b, plan.anc_q_index)
+        if plan.in_place:
+            out, lse = _merge_rows(out, lse, out_b, lse_b, plan.anc_q_index)
+        else:
+            out, lse = _merge(out, lse, out_b, lse_b, plan.anc_q_index)
     return out, lse, aux, aux_b
 
 
@@ -171,7 +203,14 @@ def _split_backward(dout, q, k, v, out, lse, plan: SplitPlan, scale: float, aux,
     _, bwd = plan.ops()
     dout = dout.contiguous()
     dq, dk, dv = bwd(dout, q, k, v, out, lse, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, scale, aux)
-    if plan.has_ancestors:
+    if plan.has_ancestors and plan.in_place:  # every row's query where it is: no gathers, a plain add for dq
+        _, kb, vb = _part2_inputs(plan, q, k, v)
+        dq_b, dk_b, dv_b = bwd(dout, q, kb, vb, out, lse, plan.anc_cu_q, plan.anc_cu_k, plan.anc_max_q,
+                               plan.anc_max_k, False, scale, aux_b)
+        dq.add_(dq_b.to(dq.dtype))  # 0 where a token has no parent
+        dk.index_add_(0, plan.anc_kv_index, dk_b.to(dk.dtype))
+        dv.index_add_(0, plan.anc_kv_index, dv_b.to(dv.dtype))
+    elif plan.has_ancestors:
         index = plan.anc_q_index
         qb, kb, vb = _part2_inputs(plan, q, k, v)
         dq_b, dk_b, dv_b = bwd(dout.index_select(0, index), qb, kb, vb, out.index_select(0, index),
@@ -203,7 +242,7 @@ class SplitAttention(torch.autograd.Function):
 
 
 def _part2_inputs(plan: SplitPlan, q, k, v):
-    return (q.index_select(0, plan.anc_q_index), k.index_select(0, plan.anc_kv_index),
+    return (q if plan.in_place else q.index_select(0, plan.anc_q_index), k.index_select(0, plan.anc_kv_index),
             v.index_select(0, plan.anc_kv_index))
 
 
@@ -217,13 +256,13 @@ def split_attention(row: PackedRow, q: torch.Tensor, k: torch.Tensor, v: torch.T
 # The same split as `SplitAttention`, registered as two torch.library custom ops (forward, backward) whose
 # arguments are tensors only: a whole decoder layer compiled with torch.compile then calls it inside its graph
 # (opaque, not traced) instead of breaking the graph around an eager attention call, and the layer's backward is one
-# compiled graph too. The row's sizes (max_q, anc_max_q, anc_max_k) travel as a CPU int64 tensor, read inside the op:
-# a Python int would become a guard of the compiled layer and recompile it for every new row.
+# compiled graph too. The row's sizes (max_q, anc_max_q, anc_max_k, in_place) travel as a CPU int64 tensor, read
+# inside the op: a Python int would become a guard of the compiled layer and recompile it for every new row.
 
 def plan_tensors(row: PackedRow) -> tuple[torch.Tensor, ...]:
     """`row`'s split plan as the ops' tensor arguments: cu_q, anc_q_index, anc_cu_q, anc_kv_index, anc_cu_k (on the
-    row's device) and sizes = [max_q, anc_max_q, anc_max_k] (CPU int64)."""
-    sizes = torch.tensor([row.max_seqlen_q, row.anc_max_q, row.anc_max_k], dtype=torch.int64)
+    row's device) and sizes = [max_q, anc_max_q, anc_max_k, in_place] (CPU int64)."""
+    sizes = torch.tensor([row.max_seqlen_q, row.anc_max_q, row.anc_max_k, int(row.anc_in_place)], dtype=torch.int64)
     plan = row.cu_seqlens_q, row.anc_q_index, row.anc_cu_q, row.anc_kv_index, row.anc_cu_k
     for t in plan:  # only the op reads their lengths: no 0/1 specialization (a row with a 1-token parent path, or
         torch._dynamo.decorators.mark_unbacked(t, 0)  # nothing shared, would otherwise compile the layer again)

@@ -48,14 +48,19 @@ class PackedRow:
     num_raw_tokens: int
     num_groups: int
     attention_cost: int  # sum over nodes of (depth + 1)
-    # Children grouped by parent, for the split attention (grpo/tree_split.py): the queries of each parent's children
-    # (their own tokens) against the parent's root-to-parent path, P parents with children, Qa queries, Ka keys
-    anc_q_index: torch.Tensor | None = None  # [Qa] long
-    anc_cu_q: torch.Tensor | None = None  # [P+1] int32
+    # Part 2 of the split attention (grpo/tree_split.py): each non-root token against its parent's root-to-parent
+    # path. Grouped (anc_in_place False): the queries of each parent's children (their own tokens, gathered) against
+    # the path, P parents with children, Qa queries, Ka keys. In place (True, where each parent's children lie
+    # together in the row, as in every two-level trie): the row itself cut into R runs of consecutive segments with
+    # the same parent (a root's run has no keys), so the queries need no gather; anc_q_index is then the [N] bool
+    # mask of the tokens that have a parent
+    anc_q_index: torch.Tensor | None = None  # [Qa] long, or [N] bool in place
+    anc_cu_q: torch.Tensor | None = None  # [P+1] int32, or [R+1] in place (run bounds in the row)
     anc_kv_index: torch.Tensor | None = None  # [Ka] long
-    anc_cu_k: torch.Tensor | None = None  # [P+1] int32
+    anc_cu_k: torch.Tensor | None = None  # [P+1] int32, or [R+1] in place
     anc_max_q: int = 0
     anc_max_k: int = 0
+    anc_in_place: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -288,9 +293,15 @@ def _attention_paths(parent: list[int], cu_q: np.ndarray) -> tuple[list[np.ndarr
     return paths, path_len, cu_k
 
 
+SPLIT_IN_PLACE = True
+"""Whether rows may take the split attention's in-place part 2 (`_ancestor_runs`); False: always grouped (a bench
+switch, `bench_step.py --set bench_split_grouped=true`)."""
+
+
 def _ancestor_groups(parent: list[int], cu_q: np.ndarray, paths: list[np.ndarray]) -> dict:
     """The PackedRow fields anc_*: per parent with children (in segment order), its children's own tokens as
-    queries and its root-to-parent path as keys (docs/design.md §7.1, the split formulation)."""
+    queries and its root-to-parent path as keys (docs/design.md §7.1, the split formulation); in place instead
+    (`_ancestor_runs`) where that gathers no more keys than the grouped plan gathers keys and queries."""
     children: dict[int, list[int]] = {}
     for seg, par in enumerate(parent):
         if par >= 0:
@@ -300,6 +311,10 @@ def _ancestor_groups(parent: list[int], cu_q: np.ndarray, paths: list[np.ndarray
     keys = [paths[p] for p in parents]
     q_len = np.array([len(x) for x in queries], dtype=np.int64)
     k_len = np.array([len(x) for x in keys], dtype=np.int64)
+    if parents and SPLIT_IN_PLACE:
+        runs = _ancestor_runs(parent, cu_q, paths)
+        if runs["anc_kv_index"].numel() <= k_len.sum() + q_len.sum():
+            return runs
     empty = np.zeros(0, dtype=np.int64)
     return {
         "anc_q_index": torch.from_numpy(np.concatenate(queries) if parents else empty),
@@ -308,6 +323,28 @@ def _ancestor_groups(parent: list[int], cu_q: np.ndarray, paths: list[np.ndarray
         "anc_cu_k": torch.from_numpy(np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)),
         "anc_max_q": int(q_len.max()) if parents else 0,
         "anc_max_k": int(k_len.max()) if parents else 0,
+    }
+
+
+def _ancestor_runs(parent: list[int], cu_q: np.ndarray, paths: list[np.ndarray]) -> dict:
+    """The in-place part 2: the row cut into runs of consecutive segments with the same parent; a run's queries are
+    its tokens where they lie, its keys the parent's path (none for a run of roots). Two-level tries have one run
+    per parent, so the keys are the grouped plan's; deeper ones in pre-order split a parent's children into
+    several runs where grandchildren lie between them, each reading the path again."""
+    starts = [s for s in range(len(parent)) if s == 0 or parent[s] != parent[s - 1]]
+    bounds = np.array([cu_q[s] for s in starts] + [cu_q[-1]], dtype=np.int64)
+    keys = [paths[parent[s]] if parent[s] >= 0 else np.zeros(0, dtype=np.int64) for s in starts]
+    k_len = np.array([len(x) for x in keys], dtype=np.int64)
+    seg_len = np.diff(cu_q)
+    has_parent = np.repeat(np.asarray(parent) >= 0, seg_len)
+    return {
+        "anc_q_index": torch.from_numpy(has_parent),
+        "anc_cu_q": torch.from_numpy(bounds.astype(np.int32)),
+        "anc_kv_index": torch.from_numpy(np.concatenate(keys)),
+        "anc_cu_k": torch.from_numpy(np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)),
+        "anc_max_q": int(np.diff(bounds).max()),
+        "anc_max_k": int(k_len.max()),
+        "anc_in_place": True,
     }
 
 

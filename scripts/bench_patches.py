@@ -22,12 +22,27 @@ def plain_packing():
         trie.pack_samples, batcher._Row.shared_nodes = pack, shared
 
 
-BENCH_SWITCHES = ("bench_split_in_graph", "bench_cpp_wrapper", "bench_gdn_per_level")
+BENCH_SWITCHES = ("bench_split_in_graph", "bench_cpp_wrapper", "bench_gdn_per_level", "bench_split_grouped")
 """`--set` keys that are bench switches, not config fields: `bench_split_in_graph=false` runs flash_split as the
 eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op), so the
 two can be timed side by side in one process; `bench_cpp_wrapper=true` compiles with inductor's C++ wrapper
 (`inductor_cpp_wrapper`); `bench_gdn_per_level=true` runs FLA's public kernel once per trie level in each Gated
-DeltaNet layer (`gdn_per_level`, the path before the nineteenth session's one-pass rule, 2026-12-04)."""
+DeltaNet layer (`gdn_per_level`, the path before the nineteenth session's one-pass rule, 2026-12-04);
+`bench_split_grouped=true` gives every row the split attention's grouped part 2 (`split_grouped`, the plan before
+2026-12-05's in-place runs)."""
+
+
+@contextlib.contextmanager
+def split_grouped():
+    """Bench-only: rows are packed with the split attention's grouped part 2 (children's queries gathered per
+    parent), never the in-place runs (grpo/trie.py `SPLIT_IN_PLACE`)."""
+    import grpo.trie as trie
+
+    before, trie.SPLIT_IN_PLACE = trie.SPLIT_IN_PLACE, False
+    try:
+        yield
+    finally:
+        trie.SPLIT_IN_PLACE = before
 
 
 @contextlib.contextmanager

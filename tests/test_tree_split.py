@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+import grpo.trie as trie
 from grpo.tree_attention import _BACKEND_FN, TreeContext
 from grpo.tree_split import flash_backward, flash_forward, reference_backward, reference_forward
 from grpo.trie import pack_samples
@@ -22,13 +23,40 @@ def _attend(row, backend, q, k, v, scale=0.3):
     return _BACKEND_FN[backend](TreeContext(row=row, backend=backend), q, k, v, scale, None)  # [1, N, H, D]
 
 
+def _row_paths(row) -> list[torch.Tensor]:
+    return [row.kv_index[int(row.cu_seqlens_k[s]):int(row.cu_seqlens_k[s + 1])] for s in range(row.num_segments)]
+
+
+def with_part2(row, plan: str):
+    """`row` with its split plan rebuilt as `plan`: "grouped", or "in_place" (the runs plan, whatever the packer's
+    rule would pick for this row)."""
+    import dataclasses
+
+    parent = row.seg_parent.tolist()
+    cu_q, paths = row.cu_seqlens_q.long().numpy(), [p.numpy() for p in _row_paths(row)]
+    if plan == "in_place" and any(p >= 0 for p in parent):
+        fields = trie._ancestor_runs(parent, cu_q, paths)
+    else:
+        saved, trie.SPLIT_IN_PLACE = trie.SPLIT_IN_PLACE, False
+        try:
+            fields = {"anc_in_place": False, **trie._ancestor_groups(parent, cu_q, paths)}
+        finally:
+            trie.SPLIT_IN_PLACE = saved
+    out = dataclasses.replace(row, **fields)
+    out.sample_leaf = row.sample_leaf
+    return out
+
+
 @pytest.mark.parametrize("kind", ["shared_prompt", "multi_turn", "nothing_shared"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_split_equals_ancestor_mask_attention(kind, heads, kv_heads):
+@pytest.mark.parametrize("plan", ["packer", "grouped", "in_place"])
+def test_split_equals_ancestor_mask_attention(kind, heads, kv_heads, plan):
+    """Both part-2 plans (and the packer's choice between them) against the dense ancestor mask, fp64."""
     rng = random.Random(hash((kind, heads, kv_heads)) % 997)
     gen = torch.Generator().manual_seed(rng.randrange(1000))
     for _ in range(4):
         row = pack_samples(random_row_samples(rng, kind))
+        row = row if plan == "packer" else with_part2(row, plan)
         n, d = row.num_tokens, 8
         q = torch.randn(1, heads, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
         k = torch.randn(1, kv_heads, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -42,23 +70,76 @@ def test_split_equals_ancestor_mask_attention(kind, heads, kv_heads):
             torch.testing.assert_close(got, ref, atol=1e-12, rtol=0, msg=f"{kind}: {name}")
 
 
+def _non_root_tokens(row) -> torch.Tensor:
+    cu = row.cu_seqlens_q.long()
+    return torch.cat([torch.arange(int(cu[s]), int(cu[s + 1])) for s in range(row.num_segments)
+                      if row.seg_parent[s] >= 0] or [torch.zeros(0, dtype=torch.long)])
+
+
 @pytest.mark.parametrize("kind", ["shared_prompt", "multi_turn", "nothing_shared"])
-def test_each_parent_path_is_read_once(kind):
-    """Part 2's queries are every non-root token once; its keys are each parent's path once, so the split reads
-    N + sum over parents of |path| keys where the path gather reads N + sum over segments of their ancestors."""
+def test_each_parent_path_is_read_once(kind, monkeypatch):
+    """Grouped: part 2's queries are every non-root token once; its keys are each parent's path once, so the split
+    reads N + sum over parents of |path| keys where the path gather reads N + sum over segments of their
+    ancestors."""
+    monkeypatch.setattr(trie, "SPLIT_IN_PLACE", False)
     rng = random.Random(5)
     for _ in range(5):
         row = pack_samples(random_row_samples(rng, kind))
         parent = row.seg_parent
-        cu = row.cu_seqlens_q.long()
-        non_root = torch.cat([torch.arange(int(cu[s]), int(cu[s + 1])) for s in range(len(parent)) if parent[s] >= 0]
-                             or [torch.zeros(0, dtype=torch.long)])
-        assert sorted(row.anc_q_index.tolist()) == non_root.tolist()
+        assert not row.anc_in_place
+        assert sorted(row.anc_q_index.tolist()) == _non_root_tokens(row).tolist()
         parents = sorted({int(p) for p in parent if p >= 0})
-        paths = [row.kv_index[int(row.cu_seqlens_k[p]):int(row.cu_seqlens_k[p + 1])] for p in parents]
-        assert row.anc_kv_index.tolist() == (torch.cat(paths).tolist() if paths else [])
+        paths = _row_paths(row)
+        assert row.anc_kv_index.tolist() == (torch.cat([paths[p] for p in parents]).tolist() if parents else [])
         assert row.anc_kv_index.numel() + row.num_tokens <= row.kv_index.numel()
         assert row.anc_max_q == (int(row.anc_cu_q.diff().max()) if parents else 0)
+
+
+@pytest.mark.parametrize("kind", ["shared_prompt", "multi_turn"])
+def test_in_place_runs_cover_the_row(kind):
+    """In place: the runs tile the row in order, each run's segments share one parent and its keys are that
+    parent's path (none for roots); the mask marks exactly the non-root tokens. Where every parent's children lie
+    together (every two-level trie: shared prompts) the keys are the grouped plan's, and the packer picks it."""
+    rng, checked = random.Random(7), []
+    for _ in range(12):
+        packed = pack_samples(random_row_samples(rng, kind))
+        row = with_part2(packed, "in_place")
+        assert row.anc_in_place
+        assert row.anc_q_index.dtype == torch.bool
+        assert row.anc_q_index.nonzero().flatten().tolist() == _non_root_tokens(row).tolist()
+        bounds, cu_k = row.anc_cu_q.long().tolist(), row.anc_cu_k.long().tolist()
+        assert bounds[0] == 0 and bounds[-1] == row.num_tokens and bounds == sorted(bounds)
+        cu, parent, paths = row.cu_seqlens_q.long().tolist(), row.seg_parent.tolist(), _row_paths(row)
+        for r in range(len(bounds) - 1):
+            segs = [s for s in range(row.num_segments) if bounds[r] <= cu[s] < bounds[r + 1]]
+            assert len({parent[s] for s in segs}) == 1
+            keys = row.anc_kv_index[cu_k[r]:cu_k[r + 1]].tolist()
+            assert keys == (paths[parent[segs[0]]].tolist() if parent[segs[0]] >= 0 else [])
+        grouped = with_part2(packed, "grouped")
+        parents = {p for p in parent if p >= 0}
+        if parents and all(parent[p] < 0 for p in parents):  # two levels: every parent a root
+            checked.append(kind)
+            assert row.anc_kv_index.tolist() == grouped.anc_kv_index.tolist()
+            assert packed.anc_in_place
+        if packed.anc_in_place:  # the packer's rule: in place only where it gathers no more than grouped
+            assert row.anc_kv_index.numel() <= grouped.anc_kv_index.numel() + grouped.anc_q_index.numel()
+        else:
+            assert not parents or row.anc_kv_index.numel() > grouped.anc_kv_index.numel()
+    assert kind != "shared_prompt" or checked  # some two-level rows were drawn
+
+
+def test_reference_contract_for_queries_without_keys():
+    """A varlen sequence with queries and no keys (an in-place run of roots): out 0 and lse +inf, as
+    FlashAttention writes them; no gradient reaches those queries."""
+    q, k, v = torch.randn(7, 2, 4, dtype=torch.float64), torch.randn(5, 1, 4, dtype=torch.float64), \
+        torch.randn(5, 1, 4, dtype=torch.float64)
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 0, 5], dtype=torch.int32)
+    out, lse, _ = reference_forward(q, k, v, cu_q, cu_k, 4, 5, False, 0.5)
+    assert out[:3].abs().max() == 0 and torch.isinf(lse[:, :3]).all() and (lse[:, :3] > 0).all()
+    assert torch.isfinite(out[3:]).all() and torch.isfinite(lse[:, 3:]).all()
+    dq, dk, dv = reference_backward(torch.randn_like(out), q, k, v, out, torch.zeros_like(lse), cu_q, cu_k, 4, 5,
+                                    False, 0.5, None)
+    assert dq[:3].abs().max() == 0 and dq[3:].abs().max() > 0
 
 
 def _varlen_inputs(lens_q, lens_k, heads, kv_heads, d, dtype, device, seed=0):
@@ -79,10 +160,10 @@ def _varlen_inputs(lens_q, lens_k, heads, kv_heads, d, dtype, device, seed=0):
 def test_flash_primitives_follow_the_reference_contract(causal):
     """torch's FlashAttention varlen forward (out, lse [H, T_q]) and backward from a GIVEN out/lse (the merged ones
     in the split) against the dense reference, bf16 inputs, GQA, causal with equal lengths and non-causal with
-    more keys than queries."""
+    more keys than queries and a sequence with no keys (an in-place run of roots: out 0, lse +inf)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    lens_q, lens_k = ([37, 64, 5], [37, 64, 5]) if causal else ([40, 130, 3], [70, 9, 200])
+    lens_q, lens_k = ([37, 64, 5], [37, 64, 5]) if causal else ([40, 130, 3, 50], [70, 9, 200, 0])
     q, k, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 8, 2, 128, torch.bfloat16, "cuda")
     scale = 128 ** -0.5
     args = (cu_q, cu_k, max(lens_q), max(lens_k), causal, scale)
@@ -97,6 +178,34 @@ def test_flash_primitives_follow_the_reference_contract(causal):
     for name, g, r in zip(("dq", "dk", "dv"), got, ref):
         scale_r = r.abs().max().item()
         assert (g.double() - r).abs().max().item() <= 3e-2 * scale_r, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["shared_prompt", "multi_turn"])
+def test_flash_split_plans_on_gpu_match_the_reference(kind):
+    """On CUDA (torch's FlashAttention, the compiled in-place merge) both part-2 plans against the fp64 dense
+    reference of the same split: output and gradients within bf16's error of their scale."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from grpo.tree_split import split_attention
+
+    rng = random.Random(23)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        packed = pack_samples(random_row_samples(rng, kind))
+        n = packed.num_tokens
+        inputs = [torch.randn(n, h, 128, dtype=torch.float64, generator=gen) for h in (8, 2, 2)]
+        probe = torch.randn(n, 8, 128, dtype=torch.float64, generator=gen)
+        for plan in ("grouped", "in_place"):
+            row = with_part2(packed, plan)
+            results = []
+            for device, dtype, flash in (("cpu", torch.float64, False), ("cuda", torch.bfloat16, True)):
+                q, k, v = (x.to(device, dtype).requires_grad_() for x in inputs)
+                out = split_attention(row.to(device), q, k, v, 128 ** -0.5, flash=flash)
+                grads = torch.autograd.grad((out * probe.to(device, dtype)).sum(), (q, k, v))
+                results.append([t.detach().double().cpu() for t in (out, *grads)])
+            for name, ref, got in zip(("out", "dq", "dk", "dv"), *results):
+                assert (got - ref).abs().max() <= 2e-2 * ref.abs().max(), f"{kind} {plan}: {name}"
 
 
 @pytest.mark.parametrize("kind", ["shared_prompt", "nothing_shared"])
