@@ -309,9 +309,11 @@ def step_results(model, policy, row) -> tuple:
 
 
 def assert_same_results(fast: list, eager: list) -> None:
-    """`step_results` of a compiled policy == an eager one's, row by row (fp32 on CPU)."""
+    """`step_results` of a compiled policy == an eager one's, row by row (fp32 on CPU; a gradient within 2e-6 of its
+    largest entry: sums over a row's tokens in another order differ by a few fp32 ulps of that scale)."""
     for (eager_logp, eager_grads), (fast_logp, fast_grads) in zip(eager, fast, strict=True):
         torch.testing.assert_close(fast_logp, eager_logp, atol=1e-5, rtol=1e-5)
         assert fast_grads.keys() == eager_grads.keys()
         for name, grad in eager_grads.items():
-            torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+            atol = max(1e-5, 2e-6 * grad.abs().max().item())
+            torch.testing.assert_close(fast_grads[name], grad, atol=atol, rtol=1e-4, msg=name)
