@@ -22,6 +22,8 @@ without a GPU.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +162,7 @@ def _merge(out_a, lse_a, out_b, lse_b, index):
 def merge_in_place(out_a, lse_a, out_b, lse_b, has_parent):
     """Fold an in-place part 2 (every row of the row; keys only where `has_parent`) into part 1: the exact merge
     where a token has a parent, part 1 unchanged elsewhere (whatever part 2 wrote there: FlashAttention writes 0
-    and lse +inf for a query without keys). Pointwise: compiled into one kernel on CUDA (`_merge_rows`)."""
+    and lse +inf for a query without keys). The definition: on CUDA one Triton kernel computes it (`_merge_rows`)."""
     lse_b = torch.where(has_parent[None, :], lse_b, float("-inf"))
     lse_m = torch.logaddexp(lse_a, lse_b)  # == lse_a where there is no part 2
     wa = torch.exp(lse_a - lse_m).transpose(0, 1).unsqueeze(-1)  # [N, H, 1]
@@ -169,16 +171,29 @@ def merge_in_place(out_a, lse_a, out_b, lse_b, has_parent):
     return (out_a.to(wa.dtype) * wa + out_b * wb).to(out_a.dtype), lse_m
 
 
+MERGE_KERNEL = "triton"
+"""How CUDA runs `merge_in_place`: "triton" (grpo/split_merge.py, one kernel; 0.10 ms per layer on an H100 at a
+15.6k-token Qwen3-1.7B row) or "compiled" (torch.compile of the definition, 0.49 ms there: its [H, N] lse operands
+against [N, H, D] outputs; `scripts/bench_attention.py`). Without Triton, "compiled". A bench switch flips it."""
 _COMPILED_MERGE: list = []
 
 
 def _merge_rows(out_a, lse_a, out_b, lse_b, has_parent):
-    """`merge_in_place`, compiled on CUDA (eager: a dozen [N, H, D] passes in fp32 per attention layer)."""
+    """`merge_in_place` on the row's device: eager on CPU, one kernel on CUDA."""
     if not out_a.is_cuda:
         return merge_in_place(out_a, lse_a, out_b, lse_b, has_parent)
+    if MERGE_KERNEL == "triton" and _has_triton():
+        from grpo.split_merge import merge_rows_triton
+
+        return merge_rows_triton(out_a, lse_a, out_b, lse_b, has_parent)
     if not _COMPILED_MERGE:
         _COMPILED_MERGE.append(torch.compile(merge_in_place, dynamic=True))
     return _COMPILED_MERGE[0](out_a, lse_a, out_b, lse_b, has_parent)
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _split_forward(q, k, v, plan: SplitPlan, scale: float):

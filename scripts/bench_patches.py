@@ -22,14 +22,29 @@ def plain_packing():
         trie.pack_samples, batcher._Row.shared_nodes = pack, shared
 
 
-BENCH_SWITCHES = ("bench_split_in_graph", "bench_cpp_wrapper", "bench_gdn_per_level", "bench_split_grouped")
+BENCH_SWITCHES = ("bench_split_in_graph", "bench_cpp_wrapper", "bench_gdn_per_level", "bench_split_grouped",
+                  "bench_merge_compiled")
 """`--set` keys that are bench switches, not config fields: `bench_split_in_graph=false` runs flash_split as the
 eager autograd Function between two compiled graphs per layer (the code before 2026-12-03's custom op), so the
 two can be timed side by side in one process; `bench_cpp_wrapper=true` compiles with inductor's C++ wrapper
 (`inductor_cpp_wrapper`); `bench_gdn_per_level=true` runs FLA's public kernel once per trie level in each Gated
 DeltaNet layer (`gdn_per_level`, the path before the nineteenth session's one-pass rule, 2026-12-04);
 `bench_split_grouped=true` gives every row the split attention's grouped part 2 (`split_grouped`, the plan before
-2026-12-05's in-place runs)."""
+2026-12-05's in-place runs); `bench_merge_compiled=true` merges the split's two parts with torch.compile's kernel
+(`merge_compiled`, before 2026-12-05's Triton kernel)."""
+
+
+@contextlib.contextmanager
+def merge_compiled():
+    """Bench-only: the split attention's in-place merge runs as torch.compile's kernel of its definition, not
+    grpo/split_merge.py's Triton kernel (grpo/tree_split.py `MERGE_KERNEL`)."""
+    import grpo.tree_split as tree_split
+
+    before, tree_split.MERGE_KERNEL = tree_split.MERGE_KERNEL, "compiled"
+    try:
+        yield
+    finally:
+        tree_split.MERGE_KERNEL = before
 
 
 @contextlib.contextmanager

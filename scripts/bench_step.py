@@ -7,6 +7,7 @@
     python scripts/bench_step.py --shape Qwen3.5-2B --ratio 3.4 --set bench_gdn_per_level=true  # FLA per trie level too
     python scripts/bench_step.py --shape Qwen3.5-2B --ratio 3.4 --set compile_scope=layers  # GDN layers not compiled whole
     python scripts/bench_step.py --shape Qwen3-1.7B --ratio 3.4 --set bench_split_grouped=true  # split's part 2 gathered
+    python scripts/bench_step.py --shape Qwen3-1.7B --ratio 3.4 --set bench_merge_compiled=true  # inductor's merge
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --modes tree --profile --trace /tmp/q06.json  # timeline
     python scripts/bench_step.py --shape Qwen3-0.6B --ratio 1 --sync-every 1  # each step read back before the next
     torchrun --nproc-per-node 4 scripts/bench_step.py --shape Qwen3-1.7B      # N GPUs, FSDP2
@@ -49,8 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench_check import check_packed_vs_unpacked  # noqa: E402
-from bench_patches import (BENCH_SWITCHES, gdn_per_level, inductor_cpp_wrapper, plain_packing,  # noqa: E402
-                           split_attention_eager, split_grouped, timed_packing)
+from bench_patches import (BENCH_SWITCHES, gdn_per_level, inductor_cpp_wrapper, merge_compiled,  # noqa: E402
+                           plain_packing, split_attention_eager, split_grouped, timed_packing)
 
 QWEN3 = dict(vocab_size=151_936, tie_word_embeddings=True, num_key_value_heads=8, head_dim=128)
 SHAPES = {  # public configs' text stacks
@@ -197,6 +198,8 @@ def run_case(model_dir: Path, ratio: float, mode: str, overrides: dict, args, in
             stack.enter_context(gdn_per_level())
         if overrides.get("bench_split_grouped", False) is True:
             stack.enter_context(split_grouped())
+        if overrides.get("bench_merge_compiled", False) is True:
+            stack.enter_context(merge_compiled())
         t_build = time.perf_counter()
         model, policy, optimizer, scheduler, autocast = build_policy(config, info, args.token_budget)
         build_s = time.perf_counter() - t_build

@@ -182,12 +182,17 @@ def test_flash_primitives_follow_the_reference_contract(causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["shared_prompt", "multi_turn"])
-def test_flash_split_plans_on_gpu_match_the_reference(kind):
-    """On CUDA (torch's FlashAttention, the compiled in-place merge) both part-2 plans against the fp64 dense
-    reference of the same split: output and gradients within bf16's error of their scale."""
+@pytest.mark.parametrize("merge", ["triton", "compiled"])
+def test_flash_split_plans_on_gpu_match_the_reference(kind, merge, monkeypatch):
+    """On CUDA (torch's FlashAttention, the in-place merge as the Triton kernel or torch.compile's) both part-2
+    plans against the fp64 dense reference of the same split: output and gradients within bf16's error of their
+    scale."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import grpo.tree_split as tree_split
     from grpo.tree_split import split_attention
+
+    monkeypatch.setattr(tree_split, "MERGE_KERNEL", merge)
 
     rng = random.Random(23)
     gen = torch.Generator().manual_seed(4)
