@@ -82,6 +82,17 @@ def inputs(row, heads: int, kv_heads: int, dim: int, seed: int = 0):
     return q, k, v, dout
 
 
+def compiled_merge(*args):
+    """The merge as torch.compile's kernel of its definition (`tree_split.MERGE_KERNEL = "compiled"`)."""
+    from grpo import tree_split
+
+    before, tree_split.MERGE_KERNEL = tree_split.MERGE_KERNEL, "compiled"
+    try:
+        return tree_split._merge_rows(*args)
+    finally:
+        tree_split.MERGE_KERNEL = before
+
+
 def pieces(plan, q, k, v, dout, kernel: str, reps: int) -> dict:
     """ms of each piece of one split forward + backward with `kernel`'s primitives."""
     from grpo import tree_split
@@ -104,7 +115,7 @@ def pieces(plan, q, k, v, dout, kernel: str, reps: int) -> dict:
     out_b, lse_b, aux_b = part2()
     times["part2 fwd"] = cuda_ms(part2, reps)
     if plan.in_place:
-        merges = {"merge compiled": lambda: tree_split._merge_rows(out, lse, out_b, lse_b, plan.anc_q_index),
+        merges = {"merge compiled": lambda: compiled_merge(out, lse, out_b, lse_b, plan.anc_q_index),
                   "merge triton": lambda: merge_rows_triton(out, lse, out_b, lse_b, plan.anc_q_index),
                   "merge eager": lambda: tree_split.merge_in_place(out, lse, out_b, lse_b, plan.anc_q_index)}
         for name, fn in merges.items():
