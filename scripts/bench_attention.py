@@ -4,6 +4,7 @@ kernel: time and error against torch's FlashAttention.
     python scripts/bench_attention.py                          # Qwen3-1.7B heads: tree (ratio 3.4) and plain rows
     python scripts/bench_attention.py --heads 8 2 256          # Qwen3.5-2B's full-attention layers
     python scripts/bench_attention.py --kernels flash cudnn    # torch's cuDNN attention beside FlashAttention
+    python scripts/bench_attention.py --rows tree --part1-by-depth   # part 1 as two calls: roots, then the rest
 
 Rows are scripts/bench_step.py's workload (groups of 8 rollouts, 1068-token prompts, 256-token completions, up to
 --token-budget unique tokens; built by scripts/bench_gdn.py's `build_row`), q/k/v random bf16. Pieces: part 1 (each
@@ -126,6 +127,73 @@ def pieces(plan, q, k, v, dout, kernel: str, reps: int) -> dict:
     return times
 
 
+def part1_by_depth(row, q, k, v, dout, kernel: str, reps: int) -> dict:
+    """Part 1 as two calls on level-major copies (roots, then every other segment; --part1-by-depth): the grid of
+    each sized by its own longest segment. ms of the copy (q, k, v, dout) and of each call, and the error of the
+    result against part 1 on the row."""
+    import torch
+
+    fwd, bwd = primitives(kernel)
+    scale = q.shape[-1] ** -0.5
+    cu, parent = row.cu_seqlens_q.long().cpu(), row.seg_parent.cpu()
+    lens = (cu[1:] - cu[:-1]).tolist()
+    times, parts = {}, []
+    for name, segs in (("roots", (parent < 0).nonzero().flatten().tolist()),
+                       ("others", (parent >= 0).nonzero().flatten().tolist())):
+        idx = torch.cat([torch.arange(int(cu[s]), int(cu[s + 1])) for s in segs]).to(q.device)
+        seg_cu = torch.tensor([0, *torch.tensor([lens[s] for s in segs]).cumsum(0).tolist()], dtype=torch.int32,
+                              device=q.device)
+        top = max(lens[s] for s in segs)
+        take = lambda: [t.index_select(0, idx) for t in (q, k, v, dout)]  # noqa: E731, B023
+        qs, ks, vs, ds = take()
+        times[f"part1 {name} copy"] = cuda_ms(take, reps)
+        call = lambda: fwd(qs, ks, vs, seg_cu, seg_cu, top, top, True, scale)  # noqa: E731, B023
+        out, lse, aux = call()
+        times[f"part1 {name} fwd"] = cuda_ms(call, reps)
+        times[f"part1 {name} bwd"] = cuda_ms(lambda: bwd(ds, qs, ks, vs, out, lse, seg_cu, seg_cu, top, top,  # noqa
+                                                         True, scale, aux), reps)
+        parts.append((idx, out))
+    want, _, _ = fwd(q, k, v, row.cu_seqlens_q, row.cu_seqlens_q, row.max_seqlen_q, row.max_seqlen_q, True, scale)
+    got = torch.empty_like(want)
+    for idx, out in parts:
+        got[idx] = out
+    times["part1 by depth err"] = error(got, want)
+    return times
+
+
+def whole_paths(row, q, k, v, dout, kernel: str, reps: int) -> dict:
+    """Formulation 1 (`flash_varlen`'s maths, --part1-by-depth): one causal call of every segment over its whole
+    root-to-segment path (K/V gathered per segment, bottom-right aligned), backward with the scatter-add of dK/dV.
+    ms of the gather, the call each way and the scatter-add, and the error against the split."""
+    import torch
+
+    fwd, bwd = primitives(kernel)
+    scale = q.shape[-1] ** -0.5
+    index = row.kv_index
+    gather = lambda: (k.index_select(0, index), v.index_select(0, index))  # noqa: E731
+    kp, vp = gather()
+    call = lambda: fwd(q, kp, vp, row.cu_seqlens_q, row.cu_seqlens_k, row.max_seqlen_q, row.max_seqlen_k,  # noqa
+                       True, scale)
+    out, lse, aux = call()
+    times = {"paths gather": cuda_ms(gather, reps), "paths fwd": cuda_ms(call, reps)}
+    back = lambda: bwd(dout, q, kp, vp, out, lse, row.cu_seqlens_q, row.cu_seqlens_k, row.max_seqlen_q,  # noqa
+                       row.max_seqlen_k, True, scale, aux)
+    times["paths bwd"] = cuda_ms(back, reps)
+    _, dkp, dvp = back()
+
+    def scatter():
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(0, index, dkp.float())
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(0, index, dvp.float())
+        return dk.to(k.dtype), dv.to(v.dtype)
+
+    times["paths scatter-add"] = cuda_ms(scatter, reps)
+    from grpo.tree_split import SplitAttention, SplitPlan
+
+    want = SplitAttention.apply(q, k, v, SplitPlan.of(row, flash=q.is_cuda), scale)
+    times["paths err"] = error(out, want)
+    return times
+
+
 def whole(plan, q, k, v, dout, kernel: str, reps: int):
     """(ms, (out, dq, dk, dv)) of the split forward + backward through autograd with `kernel`'s primitives."""
     import torch
@@ -167,6 +235,9 @@ def bench(kind: str, row, args) -> list[dict]:
         res = {"row": kind, "kernel": kernel, "tokens": row.num_tokens, "in_place": plan.in_place}
         try:
             res.update(pieces(plan, q, k, v, dout, kernel, args.reps))
+            if args.part1_by_depth and plan.has_ancestors:
+                res.update(part1_by_depth(row, q, k, v, dout, kernel, args.reps))
+                res.update(whole_paths(row, q, k, v, dout, kernel, args.reps))
             res["split fwd+bwd"], got = whole(plan, q, k, v, dout, kernel, args.reps)
             reference = reference or got
             res.update({f"err {n}": error(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, reference)})
@@ -184,6 +255,7 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=["flash"], choices=["flash", "cudnn"])
     p.add_argument("--rows", nargs="+", default=["tree", "plain"], choices=["tree", "plain"])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--part1-by-depth", action="store_true", help="also part 1 as two calls by trie depth, and formulation 1 (whole paths)")
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1068)
