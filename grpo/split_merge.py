@@ -12,6 +12,7 @@ The CPU tests run this kernel in Triton's interpreter against `merge_in_place` (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -57,8 +58,11 @@ def merge_rows_triton(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     out_a, out_b = out_a.contiguous(), out_b.contiguous()
     lse_a, lse_b = lse_a.float().contiguous(), lse_b.float().contiguous()
     out, lse = torch.empty_like(out_a), torch.empty_like(lse_a)
+    if n == 0 or heads == 0:
+        return out, lse
     block_n = 64 if dim <= 128 else 32
     grid = (triton.cdiv(n, block_n), heads)
-    merge[grid](out_a, lse_a, out_b, lse_b, has_parent.contiguous().view(torch.uint8), out, lse, n, heads, dim,
-                BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim))
+    with torch.cuda.device(out_a.device) if out_a.is_cuda else contextlib.nullcontext():  # a rank's own GPU
+        merge[grid](out_a, lse_a, out_b, lse_b, has_parent.contiguous().view(torch.uint8), out, lse, n, heads, dim,
+                    BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim))
     return out, lse

@@ -33,7 +33,7 @@ def _parts(n, heads, dim, dtype, parent, gen):
     return out_a, lse_a, out_b, lse_b
 
 
-@pytest.mark.parametrize("n, heads, dim", [(1, 1, 128), (37, 3, 24), (130, 2, 128), (65, 4, 80), (9, 2, 256)])
+@pytest.mark.parametrize("n, heads, dim", [(0, 2, 128), (1, 1, 128), (37, 3, 24), (130, 2, 128), (65, 4, 80), (9, 2, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", ["random", "none", "all"])
 def test_triton_merge_equals_the_definition(interpreted, n, heads, dim, dtype, pattern):
@@ -46,6 +46,7 @@ def test_triton_merge_equals_the_definition(interpreted, n, heads, dim, dtype, p
     want_out, want_lse = merge_in_place(*parts, parent)
     got_out, got_lse = interpreted(*parts, parent)
     assert got_out.dtype == dtype and got_lse.dtype == torch.float32
+    assert got_out.shape == want_out.shape and got_lse.shape == want_lse.shape
     assert torch.isfinite(got_out).all() and torch.isfinite(got_lse).all()
     torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-6)
     ulp = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: the two round the same fp32 value, or one ulp apart
