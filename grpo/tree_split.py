@@ -179,8 +179,8 @@ _COMPILED_MERGE: list = []
 
 
 def _merge_rows(out_a, lse_a, out_b, lse_b, has_parent):
-    """`merge_in_place` on the row's device: eager on CPU, one kernel on CUDA."""
-    if not out_a.is_cuda:
+    """`merge_in_place` on the row's device: one kernel on CUDA, the definition elsewhere (CPU; meta tensors)."""
+    if out_a.device.type != "cuda":
         return merge_in_place(out_a, lse_a, out_b, lse_b, has_parent)
     if MERGE_KERNEL == "triton" and _has_triton():
         from grpo.split_merge import merge_rows_triton
