@@ -3,9 +3,9 @@
 `grpo.tree_split.merge_in_place` folds part 2 (every token over its parent's path) into part 1 (every token over
 its own segment) by log-sum-exp. Compiled by inductor it took 0.49 ms per attention layer on an H100 at a
 15.6k-token Qwen3-1.7B row (`scripts/bench_attention.py`; its lse operands are [H, N] while the outputs are
-[N, H, D]), ~8x the time its ~190 MB take at the card's bandwidth: 12 ms of a 360 ms Qwen3-1.7B step. Here one program
-owns BLOCK_N tokens of one head: it reads the lse pairs as contiguous runs, the [BLOCK_N, D] tiles of both outputs
-once, and writes the merged tile and lse once (0.10 ms there).
+[N, H, D]), ~8x the time its ~190 MB take at the card's bandwidth: 12 ms of a 360 ms Qwen3-1.7B step. Here one
+program owns BLOCK_N tokens of one head: it reads the lse pairs as contiguous runs, the [BLOCK_N, D] tiles of both
+outputs once, and writes the merged tile and lse once (0.10 ms there).
 
 The CPU tests run this kernel in Triton's interpreter against `merge_in_place` (tests/test_split_merge.py).
 """

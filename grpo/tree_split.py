@@ -22,8 +22,6 @@ without a GPU.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -174,7 +172,7 @@ def merge_in_place(out_a, lse_a, out_b, lse_b, has_parent):
 MERGE_KERNEL = "triton"
 """How CUDA runs `merge_in_place`: "triton" (grpo/split_merge.py, one kernel; 0.10 ms per layer on an H100 at a
 15.6k-token Qwen3-1.7B row) or "compiled" (torch.compile of the definition, 0.49 ms there: its [H, N] lse operands
-against [N, H, D] outputs; `scripts/bench_attention.py`). Without Triton, "compiled". A bench switch flips it."""
+against [N, H, D] outputs; `scripts/bench_attention.py`). A bench switch flips it."""
 _COMPILED_MERGE: list = []
 
 
@@ -182,18 +180,13 @@ def _merge_rows(out_a, lse_a, out_b, lse_b, has_parent):
     """`merge_in_place` on the row's device: one kernel on CUDA, the definition elsewhere (CPU; meta tensors)."""
     if out_a.device.type != "cuda":
         return merge_in_place(out_a, lse_a, out_b, lse_b, has_parent)
-    if MERGE_KERNEL == "triton" and _has_triton():
+    if MERGE_KERNEL == "triton":
         from grpo.split_merge import merge_rows_triton
 
         return merge_rows_triton(out_a, lse_a, out_b, lse_b, has_parent)
     if not _COMPILED_MERGE:
         _COMPILED_MERGE.append(torch.compile(merge_in_place, dynamic=True))
     return _COMPILED_MERGE[0](out_a, lse_a, out_b, lse_b, has_parent)
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _split_forward(q, k, v, plan: SplitPlan, scale: float):

@@ -84,14 +84,13 @@ def inputs(row, heads: int, kv_heads: int, dim: int, seed: int = 0):
 
 
 def compiled_merge(*args):
-    """The merge as torch.compile's kernel of its definition (`tree_split.MERGE_KERNEL = "compiled"`)."""
+    """The merge as torch.compile's kernel of its definition (bench_step's `bench_merge_compiled` switch)."""
+    from bench_patches import merge_compiled
+
     from grpo import tree_split
 
-    before, tree_split.MERGE_KERNEL = tree_split.MERGE_KERNEL, "compiled"
-    try:
+    with merge_compiled():
         return tree_split._merge_rows(*args)
-    finally:
-        tree_split.MERGE_KERNEL = before
 
 
 def pieces(plan, q, k, v, dout, kernel: str, reps: int) -> dict:
@@ -255,7 +254,8 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=["flash"], choices=["flash", "cudnn"])
     p.add_argument("--rows", nargs="+", default=["tree", "plain"], choices=["tree", "plain"])
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--part1-by-depth", action="store_true", help="also part 1 as two calls by trie depth, and formulation 1 (whole paths)")
+    p.add_argument("--part1-by-depth", action="store_true",
+                   help="also part 1 as two calls by trie depth, and formulation 1 (whole paths)")
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1068)

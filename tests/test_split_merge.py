@@ -33,7 +33,8 @@ def _parts(n, heads, dim, dtype, parent, gen):
     return out_a, lse_a, out_b, lse_b
 
 
-@pytest.mark.parametrize("n, heads, dim", [(0, 2, 128), (1, 1, 128), (37, 3, 24), (130, 2, 128), (65, 4, 80), (9, 2, 256)])
+@pytest.mark.parametrize("n, heads, dim",
+                         [(0, 2, 128), (1, 1, 128), (37, 3, 24), (130, 2, 128), (65, 4, 80), (9, 2, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", ["random", "none", "all"])
 def test_triton_merge_equals_the_definition(interpreted, n, heads, dim, dtype, pattern):
