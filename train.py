@@ -4,7 +4,9 @@ Recipe, top to bottom: parse the config (`__main__`) -> `build` (checks, inputs,
 sync, the rollout worker on rank 0) -> loop: pull samples and pack them as prefix tries (one row per rank),
 forward/backward with tree attention (`train_step`), push weights to vLLM every `weight_sync_steps`, log,
 checkpoint (`after_step`) -> `wind_down`. The builders live in `grpo/` (`grpo/inputs.py`, `grpo/server_facts.py`,
-`grpo/policy.py`, `grpo/step.py`, `grpo/rollout_worker.py`); the LOSS REGION below is the part a fork edits.
+`grpo/policy.py`, `grpo/step.py`, `grpo/rollout_worker.py`). A fork changes the loss through the loss registry
+(one file, docs/losses.md "Adding a loss in a fork"), not here: that path is what the loss trace and the invariant
+tests run.
 
 Python API: `train.main(config, reward_funcs=[fn], train_dataset=ds, tools=[...], environment_factory=Env,
 loop_cls=MyLoop, peft_config=LoraConfig(...), eval_dataset=held_out)`; every argument left None is taken from the
@@ -17,6 +19,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from grpo.config import AsyncGRPOConfig, config_class
@@ -24,24 +27,12 @@ from grpo.config import AsyncGRPOConfig, config_class
 log = logging.getLogger("train")
 
 
-# ==================================== LOSS REGION: what a loss sees and how its terms are normalised ===============
-def row_loss(out, row, samples, plan, loss_fn, loss_options, world: int, grad_accum: int,
-             max_completion_length: int):
-    """(this rank's share of the micro-batch loss, loss metrics): build LossInputs, call the loss, normalise.
+@dataclass
+class LogWindow:
+    """What the next log row aggregates: the steps' metrics and the rollout worker's metrics since the last row."""
 
-    The loss sees the row's sequence/group structure and the micro-batch's global counts (`loss_inputs`,
-    grpo/step.py); `normalized_loss` divides by the count its normaliser names (tokens, sequences, sequences x
-    max_completion_length) over W ranks and GA steps, so FSDP's gradient mean and the accumulation sum give the
-    step's loss (docs/losses.md). Every micro-batch of the run calls this function; it starts as a copy of
-    grpo/step.py's `normalized_row_loss` (what the benches and the tests run), and a fork edits it here.
-    """
-    from grpo.losses import normalized_loss
-    from grpo.step import loss_inputs
-
-    inputs = loss_inputs(out, row, samples, plan, max_completion_length)
-    result = loss_fn(inputs, loss_options)
-    return normalized_loss(result, inputs, world, grad_accum), result.metrics
-# ==================================== END LOSS REGION ================================================================
+    steps: list = field(default_factory=list)
+    rollout: list = field(default_factory=list)
 
 
 @dataclass
@@ -56,8 +47,6 @@ class Run:
     optimizer: Any
     scheduler: Any
     autocast: Any
-    loss_fn: Any
-    transforms: list
     sync: Any  # grpo.weight_sync.WeightSync
     logger: Any  # grpo.metrics.MetricsLogger
     batcher: Any  # grpo.batcher.TokenBudgetBatcher
@@ -65,17 +54,68 @@ class Run:
     eval_dataset: Any = None
     worker: Any = None  # rank 0: grpo.rollout_worker.RolloutWorker
     stop_groups: int | None = None  # epoch-based runs: the prompt count that ends the epochs
-    peak: float = 0.0  # the device's peak FLOP/s (MFU)
     version: int = 0  # the weight version the servers hold
     step: int = 0
     saved_step: int = 0
     num_tokens: int = 0
-    window: list = field(default_factory=list)  # step metrics since the last log
+    window: LogWindow = field(default_factory=LogWindow)
     nonfinite_in_a_row: int = 0
-    sync_due: bool = False
+    sync_due: bool = False  # a weight sync fell due on a step that skipped its optimizer: the next one that trains
     step_end: float = 0.0  # perf_counter() when the last step was concluded
-    rollout_metrics: list = field(default_factory=list)  # worker metrics kept for the next log (`hand_back`)
-    drops: list = field(default_factory=list)  # worker drops kept for the next ledger line (`hand_back`)
+
+    @cached_property
+    def loss_fn(self):
+        from grpo.losses import loss_function
+
+        return loss_function(self.config.loss)
+
+    @cached_property
+    def transforms(self) -> list:
+        from grpo.advantages import batch_transforms
+
+        return batch_transforms(self.config.advantage_batch_transforms)
+
+    @cached_property
+    def peak(self) -> float | None:
+        """The device's peak FLOP/s (MFU), None when unknown."""
+        from grpo.flops import device_peak_flops
+
+        return device_peak_flops(self.info.device)
+
+
+@dataclass
+class WorkerReport:
+    """Rank 0's booking of one step with the rollout worker (`book`): the worker's metrics and drops up to then,
+    i.e. from planning this step's samples. They go on this step's log row and ledger line."""
+
+    metrics: list = field(default_factory=list)
+    drops: list = field(default_factory=list)
+
+
+@dataclass
+class PendingStep:
+    """An optimizer step queued on the device and not yet concluded (read back, synced, logged, saved)."""
+
+    plans: list  # grpo.step_plan.StepPlan per micro-batch
+    micro: list  # the micro-batch metrics, device tensors until `finish_step` reads them
+    queued: Any  # grpo.step.QueuedOptimizerStep
+    started: float  # perf_counter() when its planning began
+    report: WorkerReport | None = None  # None until `book`: a step queued ahead is booked at once, others at the end
+
+    @property
+    def samples(self) -> list:
+        """Every rank's trained samples (a padding row's dummies have group_id < 0)."""
+        return [s for p in self.plans for row in p.rows for s in row if s.group_id >= 0]
+
+
+@dataclass
+class StepOutcome:
+    """What a concluded step read back."""
+
+    micro: list  # the micro-batch metrics as floats
+    grad_norm: Any
+    optimizer_s: float
+    stepped: bool  # False: a non-finite loss or gradient norm skipped the optimizer (grpo/step.py)
 
 
 def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory, loop_cls, peft_config,
@@ -87,7 +127,6 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     from grpo import checkpoint as ckpt
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import broadcast_object, hsdp_replicas, init_distributed
-    from grpo.flops import device_peak_flops
     from grpo.inputs import check_run_config, resolve_eval_dataset, resolve_inputs
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
@@ -97,7 +136,7 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    loss_fn, transforms = check_run_config(config)
+    check_run_config(config)  # the loss, the advantage options, the trackers: before any model loads
     inputs = resolve_inputs(config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
     eval_dataset = resolve_eval_dataset(config, eval_dataset, inputs.environment_factory)
     info = init_distributed(config.vllm_server_timeout)
@@ -117,10 +156,9 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
                            total_steps=config.max_steps if config.max_steps > 0 else None,
                            trackers=build_trackers(config) if info.is_main else [])
     run = Run(config=config, info=info, tokenizer=tokenizer, model=model, policy=policy, optimizer=optimizer,
-              scheduler=scheduler, autocast=autocast, loss_fn=loss_fn, transforms=transforms, sync=sync,
-              logger=logger, batcher=TokenBudgetBatcher(budget, info.world_size), state=state,
-              eval_dataset=eval_dataset, peak=device_peak_flops(info.device), version=version, step=state["step"],
-              saved_step=state["step"])
+              scheduler=scheduler, autocast=autocast, sync=sync, logger=logger,
+              batcher=TokenBudgetBatcher(budget, info.world_size), state=state, eval_dataset=eval_dataset,
+              version=version, step=state["step"], saved_step=state["step"])
     if info.is_main:
         start_worker(run, inputs, facts["served_model"], adapter and adapter.name, budget)
     return run
@@ -152,10 +190,10 @@ def start_worker(run: Run, inputs, served_model: str, lora_name: str | None, bud
         run.stop_groups = config.epoch_prompts(len(inputs.dataset)) - state["prompt_index"]
 
 
-def queue_step(run: Run, plans: list, number: int, before_optimizer=None) -> tuple:
+def queue_step(run: Run, plans: list, number: int, started: float, before_optimizer=None) -> PendingStep:
     """Queue optimizer step `number` on the device without waiting for it: forward/backward of every planned
-    micro-batch, then the optimizer step: (micro-batch metrics, the queued optimizer step). `before_optimizer` runs
-    between the two: the previous step's `conclude`, whose verdict and learning-rate step this optimizer needs."""
+    micro-batch, then the optimizer step. `before_optimizer` runs between the two: the previous step's `conclude`,
+    whose verdict and learning-rate step this optimizer needs."""
     from grpo.advantages import apply_batch_transforms
     from grpo.step import queue_optimizer_step, train_micro_batch
 
@@ -164,24 +202,25 @@ def queue_step(run: Run, plans: list, number: int, before_optimizer=None) -> tup
     apply_batch_transforms(run.transforms, [s for p in plans for row in p.rows for s in row], number)
     # the last step of the epochs may close fewer micro-batches: they are trained, normalised by their count
     micro = [train_micro_batch(run.policy, p.rows[info.rank], p, run.loss_fn, cfg.loss, info.world_size, len(plans),
-                               run.autocast, cfg.max_completion_length, row_loss) for p in plans]
+                               run.autocast, cfg.max_completion_length) for p in plans]
     if before_optimizer is not None:
         before_optimizer()
-    return micro, queue_optimizer_step(run.policy, run.optimizer, cfg.max_grad_norm, [m["loss"] for m in micro])
+    queued = queue_optimizer_step(run.policy, run.optimizer, cfg.max_grad_norm, [m["loss"] for m in micro])
+    return PendingStep(plans, micro, queued, started)
 
 
-def finish_step(run: Run, micro: list, queued) -> tuple:
-    """Wait for a queued step: (micro-batch metrics, grad norm, optimizer seconds, stepped). A non-finite loss or
-    gradient norm skipped its optimizer step (grpo/step.py)."""
+def finish_step(run: Run, step: PendingStep) -> StepOutcome:
+    """Wait for a queued step and read it back. A non-finite loss or gradient norm skipped its optimizer step
+    (grpo/step.py); too many in a row raise."""
     from grpo.step import check_nonfinite, finish_optimizer_step
     from grpo.step_metrics import resolve_metrics
 
-    grad_norm, optimizer_s, stepped = finish_optimizer_step(queued, run.scheduler)
-    micro = resolve_metrics(micro)
+    grad_norm, optimizer_s, stepped = finish_optimizer_step(step.queued, run.scheduler)
+    micro = resolve_metrics(step.micro)
     run.step += 1
     run.nonfinite_in_a_row = check_nonfinite(stepped, run.step, micro, float(grad_norm), run.nonfinite_in_a_row,
                                              run.config.max_nonfinite_steps_in_a_row)
-    return micro, grad_norm, optimizer_s, stepped
+    return StepOutcome(micro, grad_norm, optimizer_s, stepped)
 
 
 def ends_in_barrier(run: Run, number: int) -> bool:
@@ -198,67 +237,62 @@ def ends_in_barrier(run: Run, number: int) -> bool:
             or 0 < cfg.max_steps <= number)
 
 
-def hand_back(run: Run, plans: list) -> None:
-    """Rank 0 tells the worker what a step queued ahead consumed (its run-ahead allowance and the trained groups),
-    and keeps the worker's metrics and drops so far for that step's log and ledger line: what planning the next step
-    adds belongs to that one."""
-    if run.info.is_main:
-        tell_worker_trained(run.worker, [s for p in plans for row in p.rows for s in row if s.group_id >= 0])
-        run.rollout_metrics += run.worker.drain_metrics()
-        run.drops += run.worker.drain_drops()
+def book(run: Run, step: PendingStep) -> WorkerReport:
+    """Once per step: rank 0 tells the worker what the step consumed (its run-ahead allowance, the trained groups)
+    and takes the worker's metrics and drops so far, which are this step's; what the worker reports after this
+    (planning the next step) belongs to the next one. A step queued ahead is booked as soon as it is queued (the
+    worker may be waiting for that allowance to generate the next step's samples), any other when it concludes."""
+    if step.report is None:
+        step.report = WorkerReport()
+        if run.info.is_main:
+            run.worker.set_allowance_from_step(sum(len(s) for s in step.samples))
+            run.worker.mark_trained(step.samples)
+            step.report = WorkerReport(run.worker.drain_metrics(), run.worker.drain_drops())
+    return step.report
 
 
-def tell_worker_trained(worker, samples: list) -> None:
-    """The worker's run-ahead allowance from what a step consumed, and its trained groups booked."""
-    worker.set_allowance_from_step(sum(len(s) for s in samples))
-    worker.mark_trained(samples)
+def conclude(run: Run, step: PendingStep) -> None:
+    """Finish a queued step and do what follows it (`after_step`)."""
+    after_step(run, step, finish_step(run, step))
 
 
-def conclude(run: Run, queued_step: tuple) -> None:
-    """Finish a queued step (plans, micro, queued optimizer step, t_step, handed back) and do what follows it."""
-    plans, micro, queued, t_step, handed_back = queued_step
-    after_step(run, plans, finish_step(run, micro, queued), t_step, handed_back)
-
-
-def after_step(run: Run, plans: list, trained: tuple, t_step: float, handed_back: bool = False) -> None:
-    """The weight sync when due, the worker told what was trained (unless `hand_back` already did), the step's
-    metrics, a log, a checkpoint."""
+def after_step(run: Run, step: PendingStep, outcome: StepOutcome) -> None:
+    """The weight sync when due, the step booked with the worker, the step's metrics, a log, a checkpoint."""
     from grpo.evaluation import eval_due
     from grpo.ledger import record_prompts
     from grpo.step_metrics import log_window, step_summary
     from grpo.trackers import COMPLETION_COLUMNS, completion_rows
 
     cfg, info, worker = run.config, run.info, run.worker
-    micro, grad_norm, optimizer_s, stepped = trained
     run.sync_due = run.sync_due or run.step % cfg.weight_sync_steps == 0
     sync_metrics, trained_version = {}, run.version
-    if run.sync_due and stepped:  # a skipped step's sync waits for the next step that trains
+    if run.sync_due and outcome.stepped:  # a skipped step's sync waits for the next step that trains
         run.version += 1
         sync_metrics = run.sync.sync(run.model, run.version)
         run.sync_due = False
-    samples = [s for p in plans for row in p.rows for s in row if s.group_id >= 0]
+    samples = step.samples
     if info.is_main:
         worker.set_model_version(run.version)
-        if not handed_back:
-            tell_worker_trained(worker, samples)
+    report = book(run, step)
+    run.window.rollout += report.metrics
+    if info.is_main:
         if run.eval_dataset is not None and eval_due(run.step, cfg.eval_steps):
             worker.request_eval(run.version)  # run by the worker at this version; training goes on
-        drops, run.drops = run.drops + ([] if handed_back else worker.drain_drops()), []
-        record_prompts(cfg.output_dir, run.step, samples, run.state, drops)
+        record_prompts(cfg.output_dir, run.step, samples, run.state, report.drops)
     # a queued step's wall time starts where the previous one ended (its planning overlapped that one's backward)
     now = time.perf_counter()
-    step_metrics = step_summary(plans, samples, micro, info, now - max(t_step, run.step_end), optimizer_s,
-                                sync_metrics, run.model.config, run.peak)
+    step_metrics = step_summary(step.plans, samples, outcome.micro, info, now - max(step.started, run.step_end),
+                                outcome.optimizer_s, sync_metrics, run.model.config, run.peak)
     run.step_end = now
     run.num_tokens += step_metrics["batch/forwarded_tokens_per_step"]
-    step_metrics |= {"num_tokens": run.num_tokens, "grad_norm": float(grad_norm),
+    step_metrics |= {"num_tokens": run.num_tokens, "grad_norm": float(outcome.grad_norm),
                      "perf/rollout_wait_s": worker.take_wait_s() if info.is_main else 0.0,
-                     "train/skipped_nonfinite_count": float(not stepped),
+                     "train/skipped_nonfinite_count": float(not outcome.stepped),
                      "learning_rate": run.scheduler.get_last_lr()[0]}
-    run.window.append(step_metrics)
+    run.window.steps.append(step_metrics)
     if run.step % cfg.logging_steps == 0:
-        log_window(run.logger, run.step, run.window, rollout_metrics(run, fresh=not handed_back))
-        run.window = []
+        log_window(run.logger, run.step, run.window.steps, run.window.rollout)
+        run.window = LogWindow()
         if cfg.log_completions:
             run.logger.log_table(run.step, "completions", COMPLETION_COLUMNS, completion_rows(
                 samples, run.tokenizer, trained_version, run.step, cfg.num_completions_to_print))
@@ -266,10 +300,10 @@ def after_step(run: Run, plans: list, trained: tuple, t_step: float, handed_back
         save(run, run.step)
 
 
-def rollout_metrics(run: Run, fresh: bool = True) -> list:
-    """The worker's metrics for the next log row: those kept by `hand_back`, then (`fresh`) the ones queued since."""
-    kept, run.rollout_metrics = run.rollout_metrics, []
-    return kept + (run.worker.drain_metrics() if fresh and run.worker is not None else [])
+def drain_rollout_metrics(run: Run) -> list:
+    """The worker's metrics for the next log row: those booked with the steps of the window, then the ones since."""
+    kept, run.window.rollout = run.window.rollout, []
+    return kept + (run.worker.drain_metrics() if run.worker is not None else [])
 
 
 def save(run: Run, at_step: int, rollout_state: dict | None = None) -> None:
@@ -289,16 +323,16 @@ def wind_down(run: Run) -> dict | None:
     from grpo.step_metrics import log_window
 
     cfg, info, worker, version = run.config, run.info, run.worker, run.version
-    if run.window:  # the last, partial logging window
-        log_window(run.logger, run.step, run.window, rollout_metrics(run))
+    if run.window.steps:  # the last, partial logging window
+        log_window(run.logger, run.step, run.window.steps, drain_rollout_metrics(run))
     if run.eval_dataset is not None and info.is_main and run.step > run.state["step"]:  # waited for
         worker.request_eval(version)
         if not worker.wait_eval(version, cfg.vllm_server_timeout):
             log.warning("the final evaluation (weight version %d) did not finish within %.0f s", version,
                         cfg.vllm_server_timeout)
-        log_window(run.logger, run.step, [], rollout_metrics(run))
+        log_window(run.logger, run.step, [], drain_rollout_metrics(run))
     if info.is_main:  # drops booked after the last step (e.g. while the epochs ran out)
-        record_prompts(cfg.output_dir, run.step, None, run.state, run.drops + worker.drain_drops())
+        record_prompts(cfg.output_dir, run.step, None, run.state, worker.drain_drops())
     if run.step == run.state["step"]:
         raise RuntimeError(no_step_message(worker))
     return worker.state_dict(run.batcher.pending()) if info.is_main and run.step > run.saved_step else None
@@ -310,21 +344,20 @@ def train_loop(run: Run) -> None:
     host works ahead of the device), and is concluded just before that step's optimizer."""
     from grpo.step_plan import plan_step
 
-    config, pending = run.config, None  # pending: a queued step whose device work may still run
+    config, pending = run.config, None  # pending: a PendingStep whose device work may still run
     while config.max_steps <= 0 or run.step + (pending is not None) < config.max_steps:
-        t_step = time.perf_counter()
+        started = time.perf_counter()
         plans = plan_step(run.worker, run.batcher, run.stop_groups, config.gradient_accumulation_steps, run.info)
         if not plans:
             break
-        number, previous, pending = run.step + 1 + (pending is not None), pending, None
-        micro, queued = queue_step(run, plans, number, previous and functools.partial(conclude, run, previous))
-        must_wait = ends_in_barrier(run, number)
-        if not must_wait:
-            hand_back(run, plans)
-        pending = (plans, micro, queued, t_step, not must_wait)
-        if must_wait:
-            conclude(run, pending)
-            pending = None
+        number = run.step + 1 + (pending is not None)
+        step = queue_step(run, plans, number, started, pending and functools.partial(conclude, run, pending))
+        pending = None  # concluded inside queue_step, before this step's optimizer
+        if ends_in_barrier(run, number):
+            conclude(run, step)
+        else:
+            book(run, step)
+            pending = step
     if pending is not None:
         conclude(run, pending)
 

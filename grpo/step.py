@@ -1,9 +1,9 @@
 """One optimizer step on this rank: a micro-batch's forward/backward (`train_micro_batch`), what its loss sees
-(`loss_inputs`), the default row loss, and the clip/step/zero with its non-finite guard (`optimizer_step`).
+(`loss_inputs`), the row loss, and the clip/step/zero with its non-finite guard (`optimizer_step`).
 
 Nothing here waits for the GPU before the step's end (docs/design.md, one process; normalisers:
-docs/losses.md). train.py's LOSS REGION holds the row loss a run uses; `normalized_row_loss` here is the default it
-starts from, used as it is by the benches and the tests.
+docs/losses.md). `normalized_row_loss` is the one row loss: train.py, the benches and the loss trace all run it; a
+fork changes the loss through the registry (docs/losses.md "Adding a loss in a fork").
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def loss_inputs(out, row, samples, plan: StepPlan, max_completion_length: int):
 
 def normalized_row_loss(out, row, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
                         max_completion_length: int):
-    """The default row loss: (this rank's share of the micro-batch loss, loss metrics). `normalized_loss` divides
+    """The row loss: (this rank's share of the micro-batch loss, loss metrics). `normalized_loss` divides
     by the count the loss's normaliser names over W ranks and GA steps (docs/losses.md)."""
     from grpo.losses import normalized_loss
 
@@ -53,9 +53,8 @@ def normalized_row_loss(out, row, samples, plan: StepPlan, loss_fn, loss_options
 
 
 def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, world: int, grad_accum: int,
-                      autocast, max_completion_length: int = 1, row_loss=None) -> dict:
+                      autocast, max_completion_length: int = 1) -> dict:
     """Pack this rank's samples, forward/backward, return the loss metrics. The normaliser is global over ranks.
-    `row_loss` (same signature as `normalized_row_loss`, the default): train.py passes its LOSS REGION's.
 
     Nothing here waits for the GPU: the metrics stay tensors and the timings CUDA events (resolve_metrics reads
     them once per step, after the optimizer), so the host packs the next micro-batch while this one runs."""
@@ -74,8 +73,8 @@ def train_micro_batch(policy, samples, plan: StepPlan, loss_fn, loss_options, wo
     if row.num_loss_terms == 0:  # a zero-weight dummy row: forward/backward anyway to keep FSDP collectives aligned
         loss = out.policy_logprobs.sum() * 0.0
     else:
-        loss, metrics = (row_loss or normalized_row_loss)(out, row, samples, plan, loss_fn, loss_options, world,
-                                                          grad_accum, max_completion_length)
+        loss, metrics = normalized_row_loss(out, row, samples, plan, loss_fn, loss_options, world, grad_accum,
+                                            max_completion_length)
         metrics = {k: torch.as_tensor(v).detach() for k, v in metrics.items()} | {"entropy": out.entropy.mean()}
     if out.aux_loss is not None:  # router_aux_loss_coef x aux_loss / GA (docs/losses.md)
         loss = loss + policy_module(policy).aux_coef * out.aux_loss / grad_accum

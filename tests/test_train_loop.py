@@ -73,7 +73,7 @@ def _run_loop(tiny: str, tmp_path, weight_sync_steps: int, monkeypatch):
     import train
     from grpo import step_plan
     from grpo.distributed import init_distributed
-    from grpo.losses import get_loss, loss_function
+    from grpo.losses import get_loss
     from grpo.metrics import MetricsLogger
     from grpo.policy import build_policy
 
@@ -97,17 +97,16 @@ def _run_loop(tiny: str, tmp_path, weight_sync_steps: int, monkeypatch):
     monkeypatch.setattr(step_plan, "plan_step", plan_step)
     conclude = train.conclude
 
-    def recorded_conclude(run, queued_step):
-        conclude(run, queued_step)
-        events.append(("concluded", queued_step[0][0].rows[0][0].model_version))
+    def recorded_conclude(run, pending):
+        conclude(run, pending)
+        events.append(("concluded", pending.plans[0].rows[0][0].model_version))
 
     monkeypatch.setattr(train, "conclude", recorded_conclude)
     run_ref: list = []
     run = train.Run(config=config, info=info, tokenizer=None, model=model, policy=policy, optimizer=optimizer,
-                    scheduler=scheduler, autocast=autocast, loss_fn=loss_function(config.loss), transforms=[],
-                    sync=RecordingSync(run_ref), logger=MetricsLogger(tmp_path, trackers=[], console=False),
-                    batcher=None, state={"step": 0, "run_id": "t", "prompt_index": 0},
-                    worker=RecordingWorker(events), peak=None)
+                    scheduler=scheduler, autocast=autocast, sync=RecordingSync(run_ref),
+                    logger=MetricsLogger(tmp_path, trackers=[], console=False), batcher=None,
+                    state={"step": 0, "run_id": "t", "prompt_index": 0}, worker=RecordingWorker(events))
     run_ref.append(run)
     train.train_loop(run)
     run.logger.close()
