@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
@@ -23,6 +22,8 @@ import httpx
 import pytest
 import torch
 
+from fake_vllm import wait_until_up
+
 pytestmark = pytest.mark.gpu
 
 
@@ -30,8 +31,8 @@ def _receiver(port: int, out_path: str, old_engine: str | None, die_on: int | No
     """The server side of the ipc contract without vLLM's worker: HTTP routes, rebuild from handles, clone."""
     import base64
     import pickle
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    from fake_vllm import FakeVLLM, Reply, get_routes, server_info_payload
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     torch.cuda.set_device(0)
@@ -58,55 +59,39 @@ def _receiver(port: int, out_path: str, old_engine: str | None, die_on: int | No
         args[6] = 0  # the receiver's own device index, as vLLM's engine does
         return rebuild_cuda_tensor(*args)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def update(request) -> dict | Reply:
+        torch.cuda.set_device(0)  # per thread
+        if old_engine == "per tensor" and "packed" in request.body["update_info"]:
+            return Reply({"error": {"message": "Invalid update_info for IPCWeightTransferEngine: got an "
+                                    "unexpected keyword argument 'packed'"}}, 500)
+        state["updates"] += 1
+        if state["updates"] == die_on:
+            os._exit(1)
+        names, dtype_names, shapes, handles, sizes = parse(request.body["update_info"])
+        if sizes is not None:  # packed: one buffer, tensors back to back
+            pieces = rebuild(handles)[:sum(sizes)].split(sizes)
+            tensors = [p.view(getattr(torch, d)).view(s) for p, d, s in zip(pieces, dtype_names, shapes)]
+        else:
+            tensors = [rebuild(h) for h in handles]
+        state["received"].update({n: t.clone() for n, t in zip(names, tensors)})
+        del tensors
+        torch.cuda.synchronize()
+        return {}
 
-        def reply(self, payload, status=200):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def init(request) -> dict | Reply:
+        if old_engine and "packed" in request.body["init_info"]:
+            return Reply({"error": {"message": "Invalid init_info for IPCWeightTransferEngine: got an "
+                                    "unexpected keyword argument 'packed'"}}, 500)
+        return {}
 
-        def do_GET(self):
-            info = {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"},
-                                    "weight_transfer_config": {"backend": "ipc"},
-                                    "cache_config": {"gpu_memory_utilization": 0.2}},
-                    "vllm_env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": True},
-                    "system_env": {"env_vars": f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"}}
-            self.reply({"/server_info": info, "/get_world_size": {"world_size": 1}}.get(self.path.split("?")[0], {}))
+    def finish(request) -> dict:
+        torch.save({n: t.cpu() for n, t in state["received"].items()}, out_path)
+        return {}
 
-        def do_POST(self):
-            torch.cuda.set_device(0)  # per thread
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length)) if length else {}
-            route = self.path.split("?")[0]
-            if route == "/init_weight_transfer_engine" and old_engine and "packed" in body["init_info"]:
-                return self.reply({"error": {"message": "Invalid init_info for IPCWeightTransferEngine: got an "
-                                             "unexpected keyword argument 'packed'"}}, 500)
-            if route == "/update_weights" and old_engine == "per tensor" and "packed" in body["update_info"]:
-                return self.reply({"error": {"message": "Invalid update_info for IPCWeightTransferEngine: got an "
-                                             "unexpected keyword argument 'packed'"}}, 500)
-            if route == "/update_weights":
-                state["updates"] += 1
-                if state["updates"] == die_on:
-                    os._exit(1)
-                names, dtype_names, shapes, handles, sizes = parse(body["update_info"])
-                if sizes is not None:  # packed: one buffer, tensors back to back
-                    pieces = rebuild(handles)[:sum(sizes)].split(sizes)
-                    tensors = [p.view(getattr(torch, d)).view(s) for p, d, s in zip(pieces, dtype_names, shapes)]
-                else:
-                    tensors = [rebuild(h) for h in handles]
-                state["received"].update({n: t.clone() for n, t in zip(names, tensors)})
-                del tensors
-                torch.cuda.synchronize()
-            if route == "/finish_weight_update":
-                torch.save({n: t.cpu() for n, t in state["received"].items()}, out_path)
-            self.reply({})
-
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    info = server_info_payload(backend="ipc", gpu_memory_utilization=0.2, insecure_serialization=True,
+                               env_vars=f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '0')}")
+    FakeVLLM(get_routes(info) | {"/init_weight_transfer_engine": init, "/update_weights": update,
+                                 "/finish_weight_update": finish}, port=port).serve_forever()
 
 
 def _start_receiver(tmp_path, old_engine=None, die_on=None):
@@ -116,14 +101,8 @@ def _start_receiver(tmp_path, old_engine=None, die_on=None):
     proc = multiprocessing.get_context("spawn").Process(
         target=_receiver, args=(port, str(tmp_path / "received.pt"), old_engine, die_on), daemon=True)
     proc.start()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/get_world_size", timeout=2)
-            return proc, f"http://127.0.0.1:{port}"
-        except httpx.TransportError:
-            assert time.monotonic() < deadline and proc.is_alive(), "receiver did not start"
-            time.sleep(0.5)
+    wait_until_up(f"http://127.0.0.1:{port}", proc)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _model():

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -19,6 +17,8 @@ from grpo.ipc_transfer import (OneGpuMemoryError, OneGpuMemoryPlan, ServerView, 
                                plan_buckets, same_gpu, server_visible_device)
 from grpo.send_plan import build_plan
 from grpo.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+
+from fake_vllm import DROP, FakeVLLM, Reply, get_routes, server_info_payload
 
 GIB = 2**30
 
@@ -164,73 +164,47 @@ class StandInServer:
         self.engine = vllm_ipc_engine()
         self.calls, self.received, self.alive_at_update, self.init_infos = [], {}, [], []
         self.pause_queries = []  # the query string of each /pause
-        self.info = {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"},
-                                     "weight_transfer_config": {"backend": backend},
-                                     "cache_config": {"gpu_memory_utilization": 0.3}},
-                     "vllm_env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": True},
-                     "system_env": {"env_vars": "VLLM_SERVER_DEV_MODE=1\nCUDA_VISIBLE_DEVICES=0\n"}}
-        server = self
+        self.info = server_info_payload(backend=backend, gpu_memory_utilization=0.3, insecure_serialization=True,
+                                env_vars="VLLM_SERVER_DEV_MODE=1\nCUDA_VISIBLE_DEVICES=0\n")
+        self.http = FakeVLLM(get_routes(self.info) | {
+            "/init_weight_transfer_engine": self.init_engine, "/update_weights": self.update_weights,
+            "/finish_weight_update": lambda r: self.called(f"finish:{r.body.get('weight_version')}"),
+            "/pause": lambda r: self.pause_queries.append(r.query) or self.called("pause"),
+            "/start_weight_update": lambda r: self.called("start"), "/resume": lambda r: self.called("resume"),
+        }, fallback=lambda r: self.called(r.route.lstrip("/")) if r.method == "POST" else {}).start()
+        self.base_url = self.http.base_url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def called(self, name: str) -> dict:
+        self.calls.append(name)
+        return {}
 
-            def reply(self, payload, status=200):
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+    def init_engine(self, request) -> dict | Reply:
+        self.init_infos.append(request.body["init_info"])
+        if self.old_engine and "packed" in request.body["init_info"]:
+            return Reply({"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
+                                    "'Invalid init_info for IPCWeightTransferEngine: IPCWeightTransferInitInfo."
+                                    "__init__() got an unexpected keyword argument 'packed''"}}, 500)
+        return {}
 
-            def do_GET(self):
-                route = self.path.split("?")[0]
-                self.reply({"/server_info": server.info, "/get_world_size": {"world_size": 1}}.get(route, {}))
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else {}
-                route = self.path.split("?")[0].lstrip("/")
-                if route == "init_weight_transfer_engine":
-                    server.init_infos.append(body["init_info"])
-                    if server.old_engine and "packed" in body["init_info"]:
-                        return self.reply({"error": {"message": "Call to collective_rpc method failed: Worker "
-                                           "failed with error 'Invalid init_info for IPCWeightTransferEngine: "
-                                           "IPCWeightTransferInitInfo.__init__() got an unexpected keyword argument "
-                                           "'packed''"}}, 500)
-                    return self.reply({})
-                elif route == "update_weights":
-                    n = sum(c == "update" for c in server.calls) + 1
-                    if n == server.die_on:
-                        self.connection.shutdown(2)  # the server process dies mid-request
-                        return
-                    if n == server.hang_on:
-                        time.sleep(30)
-                    info = dict(body["update_info"])
-                    if info.pop("packed", None) is not None and server.old_engine != "per update":
-                        return self.reply({"error": {"message": "Call to collective_rpc method failed: Invalid "
-                                           "update_info for IPCWeightTransferEngine: IPCWeightTransferUpdateInfo."
-                                           "__init__() got an unexpected keyword argument 'packed'"}}, 500)
-                    server.alive_at_update.append(server.fake.alive())
-                    parsed = server.engine.parse_update_info(info)
-                    server.layouts.append("packed" if parsed.tensor_sizes is not None else "per tensor")
-                    server.received.update(unpack(parsed, server.fake, "cpu"))
-                    route = "update"
-                elif route == "finish_weight_update":
-                    route = f"finish:{(body or {}).get('weight_version')}"
-                elif route == "pause":
-                    server.pause_queries.append(self.path.partition("?")[2])
-                server.calls.append(route.split("_")[0] if route in ("start_weight_update", "pause", "resume")
-                                    else route)
-                self.reply({})
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.http.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+    def update_weights(self, request):
+        n = sum(c == "update" for c in self.calls) + 1
+        if n == self.die_on:
+            return DROP  # the server process dies mid-request
+        if n == self.hang_on:
+            time.sleep(30)
+        info = dict(request.body["update_info"])
+        if info.pop("packed", None) is not None and self.old_engine != "per update":
+            return Reply({"error": {"message": "Call to collective_rpc method failed: Invalid update_info for "
+                                    "IPCWeightTransferEngine: IPCWeightTransferUpdateInfo.__init__() got an "
+                                    "unexpected keyword argument 'packed'"}}, 500)
+        self.alive_at_update.append(self.fake.alive())
+        parsed = self.engine.parse_update_info(info)
+        self.layouts.append("packed" if parsed.tensor_sizes is not None else "per tensor")
+        self.received.update(unpack(parsed, self.fake, "cpu"))
+        return self.called("update")
 
     def stop(self):
-        self.http.shutdown()
+        self.http.stop()
 
 
 @pytest.fixture
@@ -238,7 +212,11 @@ def fake_ipc(monkeypatch):
     fake = FakeIpc()
     monkeypatch.setattr(ipc, "share_handle", fake.share)
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    return fake
+    # `alive` collects garbage inside a request the sync times out after 2 s: with vLLM and torch imported a full
+    # collection took 1.6-2 s on a loaded 2-core machine. What exists before the test is not what it counts.
+    gc.freeze()
+    yield fake
+    gc.unfreeze()
 
 
 @pytest.mark.parametrize("old_engine", [None, "per update", "per tensor"], ids=["packed", "packed_per_update",

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -15,6 +13,8 @@ import torch
 
 from grpo.vllm_client import (PromptTooLongError, VLLMClient, VLLMControl, VLLMServerError, error_hint,
                               parse_generate_choice, parse_metrics, raise_for_status)
+
+from fake_vllm import FakeVLLM, Reply
 
 DATA = Path(__file__).parent / "data"
 PROMPT = [1, 85, 10, 50, 60, 70, 2, 10, 1, 97, 10]  # ChatML-like ids: <|im_start|> ... <|im_end|> ... <|im_start|>
@@ -172,36 +172,25 @@ def test_error_hints_for_documented_messages():
     assert error_hint(400, "/v1/completions", "temperature must be non-negative") == ""
 
 
-class _FlakyServer(BaseHTTPRequestHandler):
-    """Answers `fail_first` requests with `fail_status`, then a /v1/models payload."""
+def _flaky_server(fail_status: int, fail_first: int = 2) -> FakeVLLM:
+    """Answers `fail_first` requests with `fail_status`, then a /v1/models payload, whatever the route."""
+    served = [0]
 
-    fail_status, fail_first, served = 503, 2, 0
+    def answer(request):
+        served[0] += 1
+        if served[0] <= fail_first:
+            return Reply({"error": {"message": "busy"}}, fail_status)
+        return {"data": [{"id": "m", "max_model_len": 77}]}
 
-    def do_GET(self):  # noqa: N802 (http.server API)
-        type(self).served += 1
-        if type(self).served <= self.fail_first:
-            status, body = self.fail_status, {"error": {"message": "busy"}}
-        else:
-            status, body = 200, {"data": [{"id": "m", "max_model_len": 77}]}
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args):
-        pass
+    return FakeVLLM({}, fallback=answer).start()
 
 
 @pytest.mark.parametrize("fail_status, expect_retries", [(503, 2), (400, 0)])
 def test_retries_5xx_with_backoff_but_not_4xx(fail_status, expect_retries):
-    handler = type("Handler", (_FlakyServer,), {"fail_status": fail_status, "served": 0})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _flaky_server(fail_status)
 
     async def run():
-        client = VLLMClient(f"http://127.0.0.1:{server.server_address[1]}", "m", timeout=10)
+        client = VLLMClient(server.base_url, "m", timeout=10)
         try:
             return await client.max_model_len(), client.retry_count
         except VLLMServerError as exc:
@@ -212,7 +201,7 @@ def test_retries_5xx_with_backoff_but_not_4xx(fail_status, expect_retries):
     try:
         result, retries = asyncio.run(run())
     finally:
-        server.shutdown()
+        server.stop()
     assert retries == expect_retries
     assert result == 77 if fail_status >= 500 else isinstance(result, VLLMServerError) and result.status == 400
 
@@ -339,12 +328,10 @@ def test_control_plane_round_trip(vllm_server, tiny_qwen3):
 
 
 def test_metrics_is_none_when_the_route_is_missing():
-    handler = type("Handler", (_FlakyServer,), {"fail_status": 404, "fail_first": 10, "served": 0})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _flaky_server(404, fail_first=10)
 
     async def run():
-        client = VLLMClient(f"http://127.0.0.1:{server.server_address[1]}", "m", timeout=10)
+        client = VLLMClient(server.base_url, "m", timeout=10)
         try:
             return await client.metrics(), client.retry_count
         finally:
@@ -353,7 +340,7 @@ def test_metrics_is_none_when_the_route_is_missing():
     try:
         assert asyncio.run(run()) == (None, 0)
     finally:
-        server.shutdown()
+        server.stop()
 
 
 def test_failed_metrics_poll_is_counted_not_raised():

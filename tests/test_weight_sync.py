@@ -17,6 +17,8 @@ import torch
 from grpo.nccl_broadcast import chunk_boundaries, pickle_unique_id, unpickle_unique_id
 from grpo.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError, build_plan, checkpoint_name
 
+from fake_vllm import wait_until_up
+
 TOKENS = [5, 77, 301, 12, 900, 45, 6, 250, 511, 33, 64, 128]
 CPU_FILE = WeightSyncConfig(mode="cpu_file", timeout=120.0)
 
@@ -248,53 +250,34 @@ def test_failed_update_raises_without_hanging(tiny_models, tmp_path):
 def _stand_in_vllm_worker(port: int, received_path: str) -> None:
     """The server side of the NCCL contract on cuda:1 without vLLM: the routes WeightSync calls, joining the
     group as rank 1 and cutting/unpacking chunks from the manifest as vLLM's consumer does."""
-    import json
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+    from fake_vllm import FakeVLLM, get_routes, server_info_payload
     from grpo.nccl_broadcast import NcclGroup, packed_broadcast_receive
 
     state: dict = {}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def init(request) -> dict:
+        torch.cuda.set_device(1)  # the CUDA device is per thread
+        info = state["info"] = request.body["init_info"]
+        state["group"] = NcclGroup(info["master_address"], info["master_port"], rank=1,
+                                   world_size=info["world_size"], timeout=120)
+        return {}
 
-        def _reply(self, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            route = self.path.split("?")[0]
-            self._reply({"/get_world_size": {"world_size": 1},
-                         "/server_info": {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}}},
-                         "/weight_info": {"weight_version": state.get("version")}}.get(route, {}))
-
-        def do_POST(self):
-            torch.cuda.set_device(1)  # the CUDA device is per thread
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length)) if length else {}
-            route = self.path.split("?")[0]
-            if route == "/init_weight_transfer_engine":
-                info = state["info"] = body["init_info"]
-                state["group"] = NcclGroup(info["master_address"], info["master_port"], rank=1,
-                                           world_size=info["world_size"], timeout=120)
-            elif route == "/update_weights":
-                received = {}
-                packed_broadcast_receive(state["group"], body["update_info"], state["info"]["packed_buffer_size_bytes"],
-                                         state["info"]["packed_num_buffers"],
-                                         lambda chunk: received.update({n: t.clone() for n, t in chunk}))
-                torch.cuda.synchronize()
-                torch.save({n: t.cpu() for n, t in received.items()}, received_path)
-            elif route == "/finish_weight_update":
-                state["version"] = body.get("weight_version")
-            self._reply({})
+    def update(request) -> dict:
+        torch.cuda.set_device(1)
+        received = {}
+        packed_broadcast_receive(state["group"], request.body["update_info"], state["info"]["packed_buffer_size_bytes"],
+                                 state["info"]["packed_num_buffers"],
+                                 lambda chunk: received.update({n: t.clone() for n, t in chunk}))
+        torch.cuda.synchronize()
+        torch.save({n: t.cpu() for n, t in received.items()}, received_path)
+        return {}
 
     torch.cuda.set_device(1)
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    FakeVLLM(get_routes(server_info_payload()) | {
+        "/weight_info": lambda request: {"weight_version": state.get("version")},
+        "/init_weight_transfer_engine": init, "/update_weights": update,
+        "/finish_weight_update": lambda request: state.update(version=request.body.get("weight_version")) or {},
+    }, port=port).serve_forever()
 
 
 @pytest.mark.gpu
@@ -320,14 +303,7 @@ def test_nccl_sync_end_to_end(tmp_path):
                                                           args=(port, str(received_path)), daemon=True)
     server.start()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/get_world_size", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and server.is_alive(), "stand-in server did not start"
-                time.sleep(0.5)
+        wait_until_up(f"http://127.0.0.1:{port}", server)
         sync = WeightSync(f"http://127.0.0.1:{port}",
                           WeightSyncConfig(mode="nccl", timeout=120, buffer_size_bytes=1 << 16))
         sync.init(model)
