@@ -1,7 +1,11 @@
 """Shared fixtures: tiny local models (real architectures, random weights) and one real vLLM CPU server per session.
 
 Markers: `vllm` tests talk to a real vLLM server (deselect with `-m "not vllm"`); `gpu` tests need CUDA and are
-skipped on CPU machines; `slow` tests run for more than a minute.
+skipped on CPU machines; `slow` tests run for more than a minute. `quick` is given here, not written on tests: every
+test that is none of those, no fault-suite test, builds no tiny model (`tiny_models` and what depends on it) and is
+not a tree-GDN kernel check (`tests/test_gdn*.py`: Triton interpreter, torch.compile and gradcheck runs, 1-15 min on
+2 cores).
+`pytest -m quick` is the tier to run before a commit (README); CI runs everything.
 """
 
 from __future__ import annotations
@@ -25,11 +29,22 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "slow: takes more than a minute")
     config.addinivalue_line("markers", "faults: the fault and bad-input suite (tests/faults), against real vLLM servers")
+    config.addinivalue_line("markers", "quick: given by conftest.py to every test that needs no server, no GPU and no "
+                                       "tiny model and is not slow (`pytest -m quick`, the pre-commit tier)")
+
+
+NOT_QUICK_MARKERS = ("vllm", "gpu", "slow", "faults")
+KERNEL_CHECKS = "test_gdn"  # module prefix of the tree-GDN kernel checks
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:
+        if (not any(m in item.keywords for m in NOT_QUICK_MARKERS)
+                and "tiny_models" not in getattr(item, "fixturenames", ())
+                and not item.path.name.startswith(KERNEL_CHECKS)):
+            item.add_marker(pytest.mark.quick)
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in items:

@@ -4,7 +4,8 @@
   its #anchor), `§N` and "`name` in `path`" code pointer in README.md and docs/*.md; the `docs/design.md §N` and
   README "Section" references in the code.
 - docs/design.md's module map has a row for every module and script.
-- The README's metrics glossary lists exactly the metrics the trainer and the rollout worker log.
+- The README's metrics glossary lists exactly the metrics the trainer and the rollout worker can log, as read from
+  the code's syntax trees (`metric_names_in`: no list of prefixes, so a new loss's metric needs a glossary row).
 - The README's test command is the one .ci/run runs.
 Each checker also runs on planted mistakes, so it can fail.
 """
@@ -182,9 +183,13 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 # ---- the metrics glossary ---------------------------------------------------------------------------------------
 
-METRIC = re.compile(r"""f?["']((?:rewards|completions|sampling|clip_ratio|rollout|tools|env|sample|batch|perf|train|eval)"""
-                    r"""/[\w{}./@]*[\w}]|reward|reward_kept|reward_dropped|reward_group_std|frac_reward_zero_std|loss|"""
-                    r"""entropy|grad_norm|learning_rate|aux_loss|num_tokens)["']""")
+NOT_METRICS = {  # slash-shaped string literals in the code that are no metric names
+    "broadcast_from/*/*": "a torch.distributed store key (grpo/distributed.py)",
+    "outputs/run": "the default output_dir",
+    "outputs/samples.jsonl": "a file name in a help text",
+}
+SLASH_NAME = re.compile(r"^[a-z][a-z_]*(?:/[\w{}.@*-]*[\w}*])+$")  # `perf/step_s`, `rewards/{name}/mean`
+BARE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")  # `loss`, `grad_norm`
 
 
 def expand(name: str) -> list[str]:
@@ -192,14 +197,76 @@ def expand(name: str) -> list[str]:
     match = re.search(r"\{([^{}]*)\}", name)
     if match is None:
         return [name]
-    options = match.group(1).split(",") if "," in match.group(1) else ["*"]
+    options = [o.strip() for o in match.group(1).split(",")] if "," in match.group(1) else ["*"]
     return [e for o in options for e in expand(name[:match.start()] + o + name[match.end():])]
 
 
+def literal(node) -> str | None:
+    """A string constant, an f-string (`{...}` kept as a placeholder) or a `"a/" + x + "_b"` concatenation."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{x}" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = literal(node.left), literal(node.right)
+        if left is not None or right is not None:
+            return (left if left is not None else "{x}") + (right if right is not None else "{x}")
+    return None
+
+
+def metric_names_in(source: str) -> set[str]:
+    """The metric names one module can log, from its syntax tree, with no list of prefixes: every slash-shaped
+    string literal (`perf/step_s`, f"rewards/{name}/mean"), and every bare key (`loss`, `grad_norm`) of a dict or
+    (name, value) list that also holds a slash-shaped name, or that is assigned to, merged into, subscripted on or
+    returned as something called `*metric*`."""
+    import ast
+
+    def metricish(node) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return "metric" in name.lower() or (isinstance(node, ast.Subscript) and metricish(node.value))
+
+    def keys(node) -> list:
+        if isinstance(node, ast.Dict):
+            return [literal(k) for k in node.keys if k is not None]
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return [literal(e.elts[0]) for e in node.elts if isinstance(e, ast.Tuple) and e.elts]
+        if isinstance(node, ast.BinOp):
+            return keys(node.left) + keys(node.right)
+        return []
+
+    tree, names = ast.parse(source), set()
+    pieces = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}  # not names alone
+    for node in ast.walk(tree):
+        if id(node) not in pieces and (text := literal(node)) is not None and SLASH_NAME.match(text):
+            names.add(text)
+        group = keys(node) if isinstance(node, (ast.Dict, ast.List)) else []
+        if any(k and SLASH_NAME.match(k) for k in group):
+            names |= {k for k in group if k and BARE_NAME.match(k)}
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(metricish(t) for t in targets):
+                names |= {k for k in keys(node.value) if k and BARE_NAME.match(k)}
+                names |= {literal(t.slice) for t in targets if isinstance(t, ast.Subscript) and literal(t.slice)}
+        if isinstance(node, ast.BinOp) and (metricish(node.left) or metricish(node.right)):
+            names |= {k for k in keys(node) if k and BARE_NAME.match(k)}
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "metric" in node.name:
+            for inner in ast.walk(node):  # its returned dict keys and its (name, value) items
+                if isinstance(inner, ast.Return) and inner.value is not None:
+                    names |= {k for k in keys(inner.value) if k and BARE_NAME.match(k)}
+                if isinstance(inner, ast.Tuple) and len(inner.elts) == 2 and BARE_NAME.match(literal(inner.elts[0]) or ""):
+                    names.add(literal(inner.elts[0]))
+    return names
+
+
 def emitted_metrics(root: Path) -> set[str]:
-    """Metric names the trainer and the rollout worker log (string literals and f-strings with a metric prefix)."""
-    sources = [root / "train.py", root / "rollout.py", *sorted((root / "grpo").glob("*.py"))]
-    return {e for path in sources for name in METRIC.findall(path.read_text()) for e in expand(name)}
+    """Metric names the trainer and the rollout worker can log (`metric_names_in` over every module)."""
+    from fnmatch import fnmatchcase
+
+    sources = [root / "train.py", root / "rollout.py", *sorted((root / "grpo").rglob("*.py"))]
+    names = {e for path in sources for name in metric_names_in(path.read_text()) for e in expand(name)}
+    return {n for n in names if not any(fnmatchcase(n, pattern) for pattern in NOT_METRICS)}
 
 
 def glossary_metrics(readme: str) -> set[str]:
@@ -232,3 +299,23 @@ def test_the_glossary_check_sees_a_missing_and_an_invented_metric():
     assert glossary_gaps(emitted | {"perf/new_s"}, glossary | {"perf/invented_s"}) == ({"perf/new_s"},
                                                                                        {"perf/invented_s"})
     assert expand("a/{x,y}_s") == ["a/x_s", "a/y_s"] and expand("r/{fn}/mean") == ["r/*/mean"]
+
+
+def test_a_new_metric_of_any_name_is_seen():
+    """A loss's new metric under a new prefix, a bare one merged in, one set by key, one in (name, value) items."""
+    source = """
+def my_loss(inputs, opts):
+    metrics = {"kl/mean": 0.0}
+    metrics["my_penalty"] = 1.0
+    return LossOutput(terms, "token", kept, metrics | {"my_bonus": 2.0} | standard_metrics(x))
+
+def my_metrics(group):
+    items = [("my_group_stat", 1.0)]
+    return items + [(f"my_tool/{name}/calls", 1) for name in group]
+
+config = {"model_config": {"dtype": "bf16"}, "world_size": 1}
+"""
+    assert metric_names_in(source) == {"kl/mean", "my_penalty", "my_bonus", "my_group_stat",
+                                       "my_tool/{x}/calls"}
+    missing, _ = glossary_gaps({e for n in metric_names_in(source) for e in expand(n)}, {"kl/mean"})
+    assert missing == {"my_penalty", "my_bonus", "my_group_stat", "my_tool/*/calls"}
