@@ -20,7 +20,7 @@ def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int =
     from bench_step import synthetic_groups
 
     from grpo.config import AsyncGRPOConfig
-    from grpo.gdn import transformers_torch_reference
+    from grpo.kernels.gdn import transformers_torch_reference
     from grpo.model import load_policy
     from grpo.policy import build_policy
     from grpo.trie import pack_samples

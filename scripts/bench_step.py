@@ -151,7 +151,7 @@ def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -
     """The chunked log-prob head alone (fwd + bwd) on M trained positions, bf16, with the policy's head options."""
     import torch
 
-    from grpo.logprobs import policy_token_logprobs
+    from grpo.kernels.logprobs import policy_token_logprobs
     from grpo.tree_attention import lm_head_weight
 
     if not torch.cuda.is_available() or m == 0:

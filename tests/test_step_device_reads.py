@@ -65,7 +65,7 @@ def test_a_micro_batch_reads_nothing_from_the_device(tiny_models, monkeypatch, k
 
     from grpo import master_weights
     from grpo.config import AsyncGRPOConfig
-    from grpo.gdn import patch_gdn_layers
+    from grpo.kernels.gdn import patch_gdn_layers
     from grpo.lora import packed_forward_module
     from grpo.losses import get_loss, loss_function
     from grpo.model import load_policy

@@ -12,10 +12,10 @@ o_t = S_t q_t. In a packed trie a token's history is its path, not the packed po
   state, one batched call per level of the segment tree, so sequential launches = tree depth, not segment
   count. Autograd flows through the initial states, so a child's loss reaches its parent's chain.
 
-Kernels of the recurrence (`gdn_kernels` in grpo/gdn_choice.py picks them per device, forward and backward judged
+Kernels of the recurrence (`gdn_kernels` in grpo/kernels/gdn_choice.py picks them per device, forward and backward judged
 separately, and logs the choice once):
 
-- `chunk_gated_delta_rule`, this project's torch kernel (grpo/gdn_kernel.py): 64-token chunks in the WY/UT form of
+- `chunk_gated_delta_rule`, this project's torch kernel (grpo/kernels/gdn_kernel.py): 64-token chunks in the WY/UT form of
   the Gated DeltaNet paper (arXiv 2412.06464; FLA's chunk algorithm). Everything inside a chunk is batched matmuls
   over all chunks of all segments of a level at once; the only sequential work is one [D_k, D_k] x [D_k, D_v] matmul
   per chunk (`_ChunkScan`, which has a hand-written reverse scan as its backward; the rest is autograd). A level's
@@ -24,7 +24,7 @@ separately, and logs the choice once):
 - `sequential_gated_delta_rule`: the token-by-token recurrence, the reference the chunked kernel is tested against.
 - FLA's Triton kernels (`pip install fla-core`), no padding, in the directions `fla_directions` accepts on the
   running Triton/GPU (its gated chunk backward is wrong with Triton >= 3.4, < 3.7.1 on Hopper), through
-  grpo/gdn_fla.py: its chunk pipeline once over the row with only its state kernels per level (`FlaTreeRule`,
+  grpo/kernels/gdn_fla.py: its chunk pipeline once over the row with only its state kernels per level (`FlaTreeRule`,
   where this fla-core's internals are the known ones and it passed its check on the GPU), else FLA's public varlen
   `chunk_gated_delta_rule` once per level (a level's segments concatenated, one initial state per segment).
 
@@ -49,13 +49,13 @@ import types
 import torch
 import torch.nn.functional as F
 
-from grpo.gdn_choice import (FLA_BAD_BACKWARD_TRITON, TRANSFORMERS_GDN_FUNCTIONS,  # noqa: F401 (re-exported)
+from grpo.kernels.gdn_choice import (FLA_BAD_BACKWARD_TRITON, TRANSFORMERS_GDN_FUNCTIONS,  # noqa: F401 (re-exported)
                              GdnKernels, choose_gdn_kernels, fla_directions, gdn_kernels, transformers_torch_reference)
-from grpo.gdn_fla import (fla_tree_kernels, level_major, row_order,  # noqa: F401 (re-exported)
+from grpo.kernels.gdn_fla import (fla_tree_kernels, level_major, row_order,  # noqa: F401 (re-exported)
                           tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule)
-from grpo.gdn_kernel import (CHUNK, chunk_gated_delta_rule, compile_chunk_regions,  # noqa: F401 (re-exported)
+from grpo.kernels.gdn_kernel import (CHUNK, chunk_gated_delta_rule, compile_chunk_regions,  # noqa: F401 (re-exported)
                              sequential_gated_delta_rule, unit_lower_inverse)
-from grpo.gdn_plan import (LevelPlan, TreeScanPlan, conv_fix_index, conv_index_table,  # noqa: F401 (re-exported)
+from grpo.kernels.gdn_plan import (LevelPlan, TreeScanPlan, conv_fix_index, conv_index_table,  # noqa: F401 (re-exported)
                            plan_tree_scan, row_plan, segment_levels)
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     fla = kernels.for_forward(needs_grad) == "fla"  # FLA: query/key normalised inside the conv, not by FLA per call
     ordered = fla and kernels.one_pass  # the layer runs in the row's level-major order, the recurrence's own
     if ordered:
-        from grpo.gdn_graph import graph_gdn_forward
+        from grpo.kernels.gdn_graph import graph_gdn_forward
 
         out = graph_gdn_forward(layer, x, plan)  # the mixer as one compiled graph, where compile_scope says so
         if out is not None:
@@ -325,7 +325,7 @@ def _active_row_and_plan(layer, plan_cache: _RowPlanCache, tree_context):
 def _tree_aware_forward(layer, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     tables = getattr(kwargs.get("tree_context"), "gdn_tables", None)
     if tables is not None and torch.compiler.is_compiling():  # inside a decoder layer compiled whole (layers_gdn)
-        from grpo.gdn_graph import in_graph_forward
+        from grpo.kernels.gdn_graph import in_graph_forward
 
         out = in_graph_forward(layer, hidden_states, tables)
         if out is not None:
