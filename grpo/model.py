@@ -135,9 +135,13 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     whole = whole_layers(model) if scope in ("layers", "layers_gdn") else []
     gdn_whole = whole_gdn_layers(model) if scope == "layers_gdn" else []
     if gdn_whole:  # their packed forwards read the row's mixer tables, built before the decoder runs
+        from grpo.kernels.gdn_graph import row_tables
+        from grpo.row_context import set_row_hook
         from grpo.tree_attention import text_decoder
 
-        text_decoder(model)._grpo_gdn_whole = gdn_whole[0].linear_attn.conv_kernel_size
+        kernel_size = gdn_whole[0].linear_attn.conv_kernel_size
+        set_row_hook(text_decoder(model), "gdn_tables",
+                     lambda ctx: setattr(ctx, "gdn_tables", row_tables(ctx, kernel_size)))
     whole += gdn_whole
     for layer in whole:
         layer.compile(dynamic=True)

@@ -29,7 +29,6 @@ depth). Its Gated DeltaNet layers are NOT made tree-aware here: `grpo/kernels/gd
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
@@ -39,14 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from grpo.kernels import repeat_kv, varlen_mask
+from grpo.row_context import ACTIVE_ROW, run_row_hooks
 from grpo.trie import PackedRow
 
 logger = logging.getLogger(__name__)
 
 ATTN_NAME = "grpo_tree"
 BACKENDS = ("flash_varlen", "flash_split", "flex", "sdpa", "gathered_sdpa")
-ACTIVE_ROW: contextvars.ContextVar[PackedRow | None] = contextvars.ContextVar("ACTIVE_ROW", default=None)
-"""The PackedRow being forwarded by `forward_hidden` (on the model's device); None outside it."""
 
 _logged: set[str] = set()
 _compiled_flex = None
@@ -60,7 +58,7 @@ class TreeContext:
     backend: str
     cache: dict = field(default_factory=dict)
     split_plan: tuple | None = None  # flash_split: the row's plan as tensors (grpo/kernels/tree_split.py `plan_tensors`)
-    gdn_tables: tuple | None = None  # GDN layers compiled whole: the row's mixer tables (grpo/kernels/gdn_graph.py)
+    gdn_tables: tuple | None = None  # set by a row hook (grpo/row_context.py) where GDN layers are compiled whole
 
 
 # --------------------------------------------------------------------------------------------- backend choice
@@ -363,10 +361,7 @@ def forward_decoder(model: torch.nn.Module, row: PackedRow, backend: str = "auto
         from grpo.kernels.tree_split import plan_tensors
 
         ctx.split_plan = plan_tensors(row)
-    if getattr(decoder, "_grpo_gdn_whole", None):  # compile_scope=layers_gdn compiled its GDN layers whole
-        from grpo.kernels.gdn_graph import row_tables
-
-        ctx.gdn_tables = row_tables(ctx, decoder._grpo_gdn_whole)
+    run_row_hooks(decoder, ctx)  # e.g. the mixer tables of GDN layers compiled whole (grpo/model.py)
     token = ACTIVE_ROW.set(row)
     try:
         out = decoder(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,

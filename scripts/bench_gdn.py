@@ -50,7 +50,7 @@ TERMS = ["out", "dq", "dk", "dv", "dg", "dbeta"]
 
 def build_row(args, shared: bool):
     """One packed row of the bench_step workload, filled to the token budget."""
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo.trie import pack_samples
 

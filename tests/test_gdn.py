@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from grpo.kernels.gdn import (CHUNK, GdnKernels, choose_gdn_kernels, chunk_gated_delta_rule, conv_fix_index,
-                      conv_index_table, fla_directions, plan_tree_scan, segment_levels, sequential_gated_delta_rule,
-                      tree_causal_conv1d, tree_chunk_gated_delta_rule, tree_gdn_forward, tree_varlen_gated_delta_rule,
-                      unit_lower_inverse)
+                              conv_index_table, fla_directions, plan_tree_scan, segment_levels,
+                              sequential_gated_delta_rule, tree_causal_conv1d, tree_chunk_gated_delta_rule,
+                              tree_gdn_forward, tree_varlen_gated_delta_rule, unit_lower_inverse)
 from grpo.samples import TrainingSample
 from grpo.trie import pack_samples
 

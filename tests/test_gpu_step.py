@@ -33,7 +33,7 @@ def test_fast_step_trains(tiny_models):
     """Two steps on one batch through the real step: the loss moves and every piece reported itself on."""
     import dataclasses
 
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import decoder_layers, init_distributed
@@ -68,7 +68,7 @@ def test_a_step_waits_for_the_gpu_only_at_its_end(tiny_models):
     at all (its metrics, gradient norm and non-finite verdict are copied to pinned memory as they are queued and
     read after the step's own timer event, whose wait the mode does not count). A `.item()` first shows the mode
     records a sync. Steps 1-2 warm up (compilation)."""
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import init_distributed

@@ -7,8 +7,8 @@ their own folder on sys.path).
 
 Allowed layering, lowest floor first; an import may only point to its own floor or one below:
   1. `grpo.kernels.*`: kernels nobody edits for research (GDN scans, split attention, log-prob kernels). They import
-     each other and only the flat modules in `KERNEL_MAY_IMPORT` (the packed-row data type and a progress
-     heartbeat), never the research modules (losses, trainer step, tree attention wrapper, ...).
+     each other and only the flat modules in `KERNEL_MAY_IMPORT` (the packed-row data type, the shared row context
+     and a progress heartbeat), never the research modules (losses, trainer step, tree attention wrapper, ...).
   2. `grpo.*` (flat): what a researcher reads. May import `grpo.kernels` and each other; never scripts or the entry
      points.
   3. `scripts.*`: benchmarks and tools; may import grpo and each other.
@@ -21,7 +21,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_MAY_IMPORT = {"grpo.trie", "grpo.progress"}
+KERNEL_MAY_IMPORT = {"grpo.trie", "grpo.row_context", "grpo.progress"}
 
 
 def module_name(path: Path, root: Path) -> str:

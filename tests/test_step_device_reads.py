@@ -61,7 +61,7 @@ CASES = ([(kind, "score_centering") for kind in ("qwen3", "qwen3_5", "qwen3_moe"
 
 @pytest.mark.parametrize("kind, loss", CASES)
 def test_a_micro_batch_reads_nothing_from_the_device(tiny_models, monkeypatch, kind, loss):
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo import master_weights
     from grpo.config import AsyncGRPOConfig

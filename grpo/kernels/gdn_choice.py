@@ -446,8 +446,6 @@ def transformers_torch_reference(model):
     kernels autotune per length, and its gated backward is refused on some Triton/GPU pairs)."""
     import sys
 
-    from grpo.kernels.gdn import is_gdn_layer
-
     saved = []
     for module in {sys.modules[type(m).__module__] for m in model.modules() if is_gdn_layer(m)}:
         for name in TRANSFORMERS_GDN_FUNCTIONS:
@@ -488,3 +486,9 @@ def _accepting(fn):
         return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
     return call
+
+
+def is_gdn_layer(module) -> bool:
+    """True for Qwen3.5-style GDN modules (fused in_proj_qkv + separate z/b/a projections, one conv1d)."""
+    return type(module).__name__.endswith("GatedDeltaNet") and all(
+        hasattr(module, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grpo.kernels.gdn import gdn_gates, tree_conv_formula
+from grpo.kernels.gdn_formula import gdn_gates, tree_conv_formula
 from grpo.kernels.gdn_fla import RulePlan, _Permute, fla_tree_kernels, rule_backward, rule_forward
 
 
