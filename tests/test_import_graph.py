@@ -58,7 +58,8 @@ def imported_names(tree: ast.AST, module: str, is_package: bool, modules: dict[s
                 stem = ".".join([*base, node.module] if node.module else base)
             else:
                 stem = node.module or ""
-            candidates = [f"{stem}.{a.name}" for a in node.names] + [stem]
+            # `from pkg import sub` depends on pkg.sub (and pkg's __init__ runs, but that is pkg's own edge list)
+            candidates = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
         else:
             continue
         for name in candidates:
