@@ -37,8 +37,9 @@ class Request:
 Handler = Callable[[Request], Any]
 
 
-def server_info_payload(dtype: str = "torch.bfloat16", backend: str | None = None, gpu_memory_utilization: float | None = None,
-                env_vars: str | None = None, insecure_serialization: bool | None = None) -> dict:
+def server_info_payload(dtype: str = "torch.bfloat16", backend: str | None = None,
+                        gpu_memory_utilization: float | None = None, env_vars: str | None = None,
+                        insecure_serialization: bool | None = None) -> dict:
     """A `/server_info` payload with only the fields the trainer reads (grpo/server_facts.py, grpo/weight_sync.py)."""
     vllm_config: dict = {"model_config": {"dtype": dtype}}
     if backend is not None:
@@ -126,5 +127,5 @@ def wait_until_up(base_url: str, process, timeout: float = 120.0) -> None:
             httpx.get(f"{base_url}/get_world_size", timeout=2)
             return
         except httpx.TransportError:
-            assert time.monotonic() < deadline and process.is_alive(), f"the fake vLLM server at {base_url} did not start"
+            assert time.monotonic() < deadline and process.is_alive(), f"the fake vLLM at {base_url} did not start"
             time.sleep(0.5)

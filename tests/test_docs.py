@@ -255,8 +255,9 @@ def metric_names_in(source: str) -> set[str]:
             for inner in ast.walk(node):  # its returned dict keys and its (name, value) items
                 if isinstance(inner, ast.Return) and inner.value is not None:
                     names |= {k for k in keys(inner.value) if k and BARE_NAME.match(k)}
-                if isinstance(inner, ast.Tuple) and len(inner.elts) == 2 and BARE_NAME.match(literal(inner.elts[0]) or ""):
-                    names.add(literal(inner.elts[0]))
+                first = literal(inner.elts[0]) if isinstance(inner, ast.Tuple) and len(inner.elts) == 2 else None
+                if first and BARE_NAME.match(first):
+                    names.add(first)
     return names
 
 
