@@ -49,7 +49,7 @@ def chat(base_url: str, model: str, messages: list, max_tokens: int, temperature
 
 
 def evaluate(base_url: str, rows: list, max_tokens: int, k: int, temperature: float, seed: int,
-             concurrency: int, reward: str) -> dict:
+             concurrency: int, reward: str, answers_path: Path | None = None) -> dict:
     from grpo.rewards import resolve_reward
 
     score = resolve_reward(reward)
@@ -63,6 +63,10 @@ def evaluate(base_url: str, rows: list, max_tokens: int, k: int, temperature: fl
 
     with ThreadPoolExecutor(concurrency) as pool:
         answers = list(pool.map(one, rows))
+    seconds = time.perf_counter() - start
+    if answers_path:  # before scoring: the generation is the expensive part
+        answers_path.write_text("".join(json.dumps({"solution": row.get("solution"), "answers": texts}) + "\n"
+                                        for row, texts in zip(rows, answers)))
     columns = {key: [row[key] for row in rows for _ in range(1 + k)] for key in rows[0] if key != "prompt"}
     completions = [[{"role": "assistant", "content": text}] for texts in answers for text in texts]
     rewards = [r if r is not None else 0.0 for r in score(completions=completions, **columns)]
@@ -71,7 +75,7 @@ def evaluate(base_url: str, rows: list, max_tokens: int, k: int, temperature: fl
     low, high = wilson_interval(correct, len(rows))
     result = {"model": model, "num_prompts": len(rows), "greedy_correct": correct,
               "greedy_accuracy": correct / len(rows), "ci95": [low, high], "max_tokens": max_tokens,
-              "seconds": time.perf_counter() - start, "examples": [a[0] for a in answers[:3]]}
+              "generation_seconds": seconds, "examples": [a[0] for a in answers[:3]]}
     if k:
         groups = [rewards[i * (1 + k) + 1:(i + 1) * (1 + k)] for i in range(len(rows))]
         result |= {"k": k, "temperature": temperature, f"pass@{k}": sum(max(g) >= 1.0 for g in groups) / len(rows),
@@ -95,11 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
     from grpo.data import load_prompts
 
     rows = list(load_prompts(args.dataset))[:args.num_prompts]
+    answers = args.out.with_suffix(".answers.jsonl") if args.out else None
+    if answers:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     result = evaluate(args.base_url, rows, args.max_tokens, args.k, args.temperature, args.seed, args.concurrency,
-                      args.reward) | {"dataset": args.dataset}
+                      args.reward, answers) | {"dataset": args.dataset, "seed": args.seed}
     print(json.dumps(result, indent=1))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     return result
 

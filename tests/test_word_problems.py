@@ -68,7 +68,8 @@ def test_accuracy_reward_scores_the_task_on_hand_cases():
     solution = "17"
     completions = ["She has 21 - 4 = 17 left. \\boxed{17}", "\\boxed{16}", "21 - 4 = 17, so the answer is 17.",
                    "Start with 17 cards, then \\boxed{18}", "I am not sure.", "\\boxed{17 cards}"]
-    expected = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    # the last: math-verify does not parse a unit inside the box, hence the prompt's "a single number"
+    expected = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     rewards = accuracy_reward([[{"role": "assistant", "content": c}] for c in completions],
                               solution=[solution] * len(completions))
     assert rewards == expected
