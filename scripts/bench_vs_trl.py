@@ -230,8 +230,12 @@ def run_trl(s: BenchSettings, out: Path) -> None:
             self.evaluate(0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            # trained tokens as ours counts them: completion tokens of the step's samples
+            trained = logs.get("completions/mean_length", 0.0) * s.samples_per_step
             self.write({"step": state.global_step, "time": time.time(), "wall_s": time.time() - start,
-                        "train_wall_s": time.time() - start - state_box["eval_s"], **(logs or {})})
+                        "train_wall_s": time.time() - start - state_box["eval_s"],
+                        "batch/trained_tokens_per_step": trained, **logs})
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % s.eval_steps == 0 or state.global_step == s.max_steps:
@@ -282,7 +286,7 @@ def throughput(steps: list[dict], warmup: int = 3) -> dict:
     if len(steady) < 2:
         return {}
     seconds = steady[-1]["time"] - steady[0]["time"]
-    tokens = sum(r.get("batch/trained_tokens_per_step", r.get("num_tokens_step", 0)) for r in steady[1:])
+    tokens = sum(r.get("batch/trained_tokens_per_step", 0) for r in steady[1:])
     return {"steps_per_s": (len(steady) - 1) / seconds, "trained_tokens_per_s": tokens / seconds}
 
 

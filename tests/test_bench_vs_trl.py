@@ -80,3 +80,28 @@ def test_trl_field_names_exist_in_its_source(tmp_path):
     assert not missing, f"not GRPOConfig fields in {bench_vs_trl.TRL_PIN}: {missing}"
     assert '"0.22.0") <= _vllm_base_version <= Version("0.31.0")' in \
         zipfile.ZipFile(wheel).read("trl/import_utils.py").decode()  # the vLLM range that admits the 0.26 bundle
+
+
+def test_report_builds_curves_from_both_kinds_of_run(tmp_path):
+    """Our run (metrics.jsonl + wall.json) and TRL's (curve.jsonl) -> curves.json: the step-0 baseline first for
+    ours, samples = weight version x samples per step, steady-state steps/s and trained tok/s."""
+    import json
+
+    ours, trl = tmp_path / "async", tmp_path / "trl"
+    ours.mkdir(), trl.mkdir()
+    (ours / "wall.json").write_text(json.dumps({"start": 1000.0}))
+    steps = [{"step": i, "time": 1000.0 + 10 + 2 * i, "batch/samples_per_step": 128,
+              "batch/trained_tokens_per_step": 5000} for i in range(1, 9)]
+    evals = [{"step": 8, "time": 1030.0, "eval/reward": 0.4, "eval/pass@k": 0.6, "eval/model_version": 8}]
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
+    (trl / "curve.jsonl").write_text(json.dumps({"step": 0, "samples": 0, "wall_s": 5.0, "eval/reward": 0.1,
+                                                 "eval/pass@k": 0.3}) + "\n")
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"greedy_accuracy": 0.125, "k": 4, "pass@4": 0.3}))
+    bench_vs_trl.report(tmp_path, baseline)
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert curves["async"]["points"] == [{"wall_s": 0.0, "samples": 0, "eval/reward": 0.125, "eval/pass@k": 0.3},
+                                         {"wall_s": 30.0, "samples": 8 * 128, "eval/reward": 0.4, "eval/pass@k": 0.6}]
+    assert curves["async"]["steps_per_s"] == pytest.approx(0.5)  # steps 4..8, 2 s apart
+    assert curves["async"]["trained_tokens_per_s"] == pytest.approx(2500)
+    assert curves["trl"]["points"][0]["eval/reward"] == 0.1 and (tmp_path / "curves.png").stat().st_size > 0
