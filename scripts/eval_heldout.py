@@ -31,7 +31,10 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at 0 or n successes the edge is exactly 0 or 1; the formula reaches it only up to rounding
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return low, high
 
 
 def served_model(base_url: str) -> str:
