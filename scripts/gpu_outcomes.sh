@@ -48,6 +48,8 @@ install_trl() {  # TRL 1.16 and the datasets stack, from the two stashed/carried
   x mkdir -p $STASH/trl_wheels; x cp $CARRY/trl_b/*.whl $STASH/trl_wheels/  # kept for the shape stage
   x python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STASH/trl_wheels/*.whl || exit 1
   x python3 -c "import trl, vllm; print('trl', trl.__version__, 'vllm', vllm.__version__)"
+  # TRL builds its colocated vllm.LLM itself, with no attention-backend argument: the bundle has no FlashAttention
+  export VLLM_ATTENTION_BACKEND=${GPUVLLM_ATTN:-TRITON_ATTN}
 }
 
 case $STAGE in
