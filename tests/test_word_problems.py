@@ -73,3 +73,22 @@ def test_accuracy_reward_scores_the_task_on_hand_cases():
     rewards = accuracy_reward([[{"role": "assistant", "content": c}] for c in completions],
                               solution=[solution] * len(completions))
     assert rewards == expected
+
+
+def test_the_cli_names_reach_the_run_inputs():
+    """`--dataset builtin:word_problems --eval-dataset builtin:word_problems_heldout` with the default reward name:
+    train.py's input resolution accepts them and the reward finds its column in both splits."""
+    import tyro
+
+    from grpo.config import config_class
+    from grpo.inputs import resolve_inputs
+    from grpo.rewards import check_reward_columns
+
+    argv = ["--model", "m", "--dataset", "builtin:word_problems", "--reward-funcs", "accuracy",
+            "--eval-dataset", "builtin:word_problems_heldout"]
+    cls, args = config_class(argv)
+    config = tyro.cli(cls, args=args)
+    funcs, rows, _, _, _ = resolve_inputs(config, None, None, None, None, None)
+    assert funcs == [accuracy_reward] and len(rows) == 4096
+    held_out = load_prompts(config.eval_dataset, config.eval_dataset_split)
+    check_reward_columns(funcs, held_out[0].keys())
