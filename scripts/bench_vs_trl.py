@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-staleness", type=int, default=4, help="our side: 4 async, 0 synchronous")
     parser.add_argument("--model", default=None, help="override the workload's model path")
     parser.add_argument("--max-steps", type=int, default=None, help="override the workload's optimizer steps")
+    parser.add_argument("--learning-rate", type=float, default=None, help="override the workload's learning rate")
     parser.add_argument("--report", type=Path, default=None, help="summarise the runs under this folder")
     parser.add_argument("--baseline", type=Path, default=None, help="eval_heldout.py JSON: the step-0 point")
     args = parser.parse_args(argv)
@@ -340,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         return report(args.report, args.baseline)
     s = WORKLOADS[args.workload]
-    s = dataclasses.replace(s, **{k: v for k, v in (("model", args.model), ("max_steps", args.max_steps)) if v})
+    s = dataclasses.replace(s, **{k: v for k, v in (("model", args.model), ("max_steps", args.max_steps),
+                                                     ("learning_rate", args.learning_rate)) if v})
     if args.dry_run or not args.side:
         return print_dry_run(args.workload, s)
     args.out.mkdir(parents=True, exist_ok=True)

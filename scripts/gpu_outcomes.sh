@@ -11,7 +11,7 @@
 #   bash scripts/gpu_outcomes.sh shape          # device, carry .gpuvllm .whl (after trl): both trainers, Qwen3-0.6B shape
 #   bash scripts/gpu_outcomes.sh report         # anywhere: curves.json, curves.png and a table from $OUT/*
 # DRY_RUN=1 prints each stage's commands instead of running them (tests/test_gpu_outcomes.py runs every stage so).
-# Knobs: STEPS (optimizer steps a run; default 30), PORT (8000), OUT (the call's $OUT; outputs/outcomes here).
+# Knobs: STEPS (optimizer steps a run; default 30), LR (learning rate; the workload's by default), RUN_TIMEOUT (s a training run; 200), PORT (8000), OUT (the call's $OUT; outputs/outcomes here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:?"usage: gpu_outcomes.sh prepare|model_a|model_b|train|trl_a|trl|shape|report"}
@@ -82,7 +82,7 @@ case $STAGE in
     device_setup; serve "$MODEL"
     x python3 scripts/eval_heldout.py --base-url "$URL" --num-prompts 256 --k 4 --max-tokens 256 --out "$OUT/baseline.json"
     for RUN in async:4 sync:0; do
-      x timeout 200 python3 scripts/bench_vs_trl.py --workload real --side ours --model "$MODEL" --max-steps "$STEPS" \
+      x timeout "${RUN_TIMEOUT:-200}" python3 scripts/bench_vs_trl.py --workload real --side ours --model "$MODEL" --max-steps "$STEPS" ${LR:+--learning-rate $LR} \
         --base-url "$URL" --max-staleness "${RUN#*:}" --out "$OUT/${RUN%:*}"
     done
     x python3 scripts/bench_vs_trl.py --report "$OUT" --baseline "$OUT/baseline.json" ;;
@@ -92,7 +92,7 @@ case $STAGE in
     device_setup
     install_trl
     x timeout 560 python3 scripts/bench_vs_trl.py --workload real --side trl --model "$MODEL" --max-steps "$STEPS" \
-      --out "$OUT/trl" ;;
+      ${LR:+--learning-rate $LR} --out "$OUT/trl" ;;
   shape)  # steps/s and trained tok/s, fixed-length completions on the random-weight Qwen3-0.6B shape, both trainers
     device_setup
     x python3 .gpuvllm/make_models.py /tmp/models qwen3-0.6b --device cuda
