@@ -40,6 +40,8 @@ def pass_at_k(group: AdvantageGroup, opts: PassAtKOptions) -> np.ndarray:
 
     rewards = group.rewards
     n = len(rewards)
+    if n == 0 or rewards.max() == rewards.min():  # equal rewards: E[r^2] - E[r]^2 below leaves ~1e-8 of rounding
+        return np.zeros_like(rewards)
     k = min(opts.k, n)
     order = np.argsort(rewards, kind="stable")
     r = rewards[order]  # ascending
