@@ -28,41 +28,7 @@ ALL_ESTIMATORS = sorted(registered_estimators())
 GROUPS = [np.array([1.0, 0.0, 0.5, 0.25, 0.0, 1.0]), np.array([0.0, 0.0, 0.0, 1.0]), np.array([3.0, -1.0, 2.0])]
 
 
-@pytest.mark.parametrize("name", ALL_ESTIMATORS)
-def test_equal_rewards_give_zero_advantages(name):
-    for value in (0.0, 1.0, -2.5):
-        for size in (1, 2, 5):
-            np.testing.assert_allclose(estimate_advantages(name, np.full(size, value)), 0.0, atol=1e-9)
-
-
-@pytest.mark.parametrize("name", ALL_ESTIMATORS)
-def test_estimators_are_permutation_equivariant(name):
-    rng = np.random.default_rng(0)
-    for rewards in GROUPS:
-        base = estimate_advantages(name, rewards)
-        for _ in range(5):
-            perm = rng.permutation(len(rewards))
-            np.testing.assert_allclose(estimate_advantages(name, rewards[perm]), base[perm], rtol=1e-9, atol=1e-12)
-
-
-@pytest.mark.parametrize("name", ALL_ESTIMATORS)
-def test_unscored_rollouts_get_zero_and_leave_the_statistics(name):
-    for rewards in GROUPS:
-        with_none = np.insert(rewards, [1, len(rewards)], np.nan)  # None rewards arrive as NaN
-        got = estimate_advantages(name, with_none)
-        scored = ~np.isnan(with_none)
-        assert (got[~scored] == 0).all() and np.isfinite(got).all()
-        np.testing.assert_allclose(got[scored], estimate_advantages(name, rewards), rtol=1e-12)
-    np.testing.assert_array_equal(estimate_advantages(name, np.array([np.nan, np.nan])), [0.0, 0.0])
-
-
-@pytest.mark.parametrize("name", ALL_ESTIMATORS)
-def test_a_higher_reward_never_gets_a_lower_advantage(name):
-    for rewards in GROUPS:
-        got = estimate_advantages(name, rewards)
-        order = np.argsort(rewards, kind="stable")
-        assert (np.diff(got[order]) >= -1e-12).all(), (rewards, got)
-        assert got[np.argmax(rewards)] >= 0 >= got[np.argmin(rewards)]
+# the invariants over every registered estimator and transform: tests/test_advantage_kit.py
 
 REWARDS = np.array([1.0, 0.0, 0.5, np.nan, 0.25])  # one unscorable rollout
 
@@ -179,9 +145,11 @@ def test_a_bad_batch_transform_is_named():
 
 
 PLUGIN = textwrap.dedent('''
-    """A fork's estimator and batch transform, one file, no core edit."""
+    """A fork's estimator, batch transform and rollout loop, one file, no core edit."""
     from dataclasses import dataclass
+    from grpo.advantage_kit import EstimatorCase, register_estimator_case
     from grpo.advantages import register_batch_transform, register_estimator
+    from grpo.rollout_loop import AsyncRolloutLoop
 
     @dataclass(frozen=True)
     class CappedOptions:
@@ -189,20 +157,27 @@ PLUGIN = textwrap.dedent('''
         """Largest advantage magnitude."""
 
     @register_estimator("fork_capped", CappedOptions())
-    def fork_capped(rewards, opts):
+    def fork_capped(group, opts):
         """Centred rewards clipped to +-cap."""
-        return (rewards - rewards.mean()).clip(-opts.cap, opts.cap)
+        return (group.rewards - group.rewards.mean()).clip(-opts.cap, opts.cap)
+
+    # rewards (4, 0, 0, 0): centred (3, -1, -1, -1), cap 2 clips the first
+    register_estimator_case("fork_capped", EstimatorCase(rewards=(4.0, 0, 0, 0), want=(2.0, -1, -1, -1),
+                                                         overrides={"cap": 2.0}))
 
     @register_batch_transform("fork_halve")
     class Halve:
         """Halve every advantage (a class: one instance per run)."""
         def __call__(self, batch):
             return batch.advantages / 2
+
+    class ForkLoop(AsyncRolloutLoop):
+        """A loop in the same plug-in file."""
 ''')
 
 
 @pytest.mark.parametrize("env_var", ["GRPO_PLUGIN_MODULES", "GRPO_LOSS_MODULES"])
-def test_a_one_file_plugin_reaches_the_cli_and_the_invariants(tmp_path, env_var):
+def test_a_one_file_plugin_reaches_the_cli_and_the_kit(tmp_path, env_var):
     (tmp_path / "fork_advantages.py").write_text(PLUGIN)
     env = os.environ | {env_var: "fork_advantages", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     help_text = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], env=env, capture_output=True,
@@ -212,10 +187,17 @@ def test_a_one_file_plugin_reaches_the_cli_and_the_invariants(tmp_path, env_var)
     sub = subprocess.run([sys.executable, str(REPO / "train.py"), "advantage:fork-capped", "--help"], env=env,
                          capture_output=True, text=True, timeout=120).stdout
     assert "--advantage.cap" in sub and "Largest advantage magnitude" in sub
-    # the invariant tests run over it: the same test file, with the plug-in named
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                          "-k", "fork_capped"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout[-2000:]
+    if env_var != "GRPO_PLUGIN_MODULES":
+        return
+    # the kit runs over it: the estimator passes; the transform registered without a hand case fails, with how-to
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+                          str(REPO / "tests" / "test_advantage_kit.py"), "-k", "fork_ and not example_plugins"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 1, run.stdout[-2000:]
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 3 and all("fork_halve" in line for line in failed), failed  # no case: ships, hand, coverage
+    assert "register_transform_case('fork_halve'" in run.stdout
+    assert "9 passed" in run.stdout  # fork_capped: its case, coverage and 4 invariants; fork_halve: 2 invariants
 
 
 @pytest.mark.parametrize("rewards,default,keep_all", [
