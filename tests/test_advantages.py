@@ -207,3 +207,114 @@ def test_drop_rule_is_an_option(rewards, default, keep_all):
     rewards = np.array(rewards)
     assert is_kept(rewards) is default
     assert is_kept(rewards, drop_equal_rewards=False) is keep_all
+
+
+# ---- what the estimator and the transforms are handed; check(config, inputs) -------------------------------------
+
+@pytest.fixture
+def temporary_estimator():
+    """Register an estimator for one test, then take it out of the registries again."""
+    import grpo.advantages as adv
+
+    added = []
+
+    def register(name, options, fn):
+        adv.register_estimator(name, options)(fn)
+        added.append((name, type(options)))
+
+    yield register
+    for name, cls in added:
+        adv.ESTIMATORS.pop(name), adv.ESTIMATOR_DESCRIPTIONS.pop(name), adv._ESTIMATOR_FNS.pop(cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeenOptions:
+    """Records the group it was handed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedsLoopOptions:
+    """Accepts only runs whose rollout loop is a NeedsThisLoop (Python API `loop_cls=` or --loop-cls)."""
+
+    def check(self, config, inputs):
+        if not (isinstance(inputs.loop_cls, type) and issubclass(inputs.loop_cls, NeedsThisLoop)):
+            raise ValueError("this estimator needs loop_cls=NeedsThisLoop")
+
+
+class NeedsThisLoop:  # stands for a rollout-loop subclass (the check reads the class, never runs it)
+    pass
+
+
+def some_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_the_loop_hands_the_estimator_lengths_trained_tokens_turns_and_the_prompt(temporary_estimator):
+    from grpo.config import AsyncGRPOConfig
+    from grpo.rollout_loop import AsyncRolloutLoop, advantage_group
+    from grpo.samples import Rollout, RolloutGroup, TurnRecord
+
+    seen = []
+    temporary_estimator("seen_group", SeenOptions(), lambda group, opts: seen.append(group) or group.rewards * 0)
+    turns = [[TurnRecord([1], [5, 6, 7], [-1.0] * 3)], [TurnRecord([1], [5], [-1.0]), TurnRecord([1, 5, 9], [8, 2],
+                                                                                                  [-1.0] * 2)]]
+    rollouts = [Rollout(completion=[], completion_ids=[t for turn in ts for t in turn.output_ids], turns=ts)
+                for ts in turns]
+    sequences = [[_sample(0, "a", 0.0)], [_sample(0, "b", 0.0), _sample(0, "b", 0.0)]]  # 1 and 1 + 1 trained tokens
+    group = RolloutGroup(prompts=[[]] * 2, reward_kwargs={}, completions=[[]] * 2, completions_ids=[[], []],
+                         completions_sequences=sequences, tool_call_counts=[0, 0], tool_failure_counts=[0, 0],
+                         model_version=1, group_id=3, row_index=17, env_rewards=[None, None],
+                         rollout_rewards=[None, None], rewards=np.array([1.0, 0.0]), rollouts=rollouts)
+    loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # compute_advantages reads only the config
+    loop.config = AsyncGRPOConfig(advantage=SeenOptions())
+    loop.compute_advantages(group)
+    (got,) = seen
+    np.testing.assert_array_equal(got.completion_lengths, [3, 3])
+    np.testing.assert_array_equal(got.trained_tokens, [1, 2])
+    np.testing.assert_array_equal(got.turns, [1, 2])
+    assert got.prompt_id == 17 and advantage_group(group).prompt_id == 17
+    np.testing.assert_array_equal(got.rewards, [1.0, 0.0])
+
+
+def test_transforms_see_each_rollouts_lengths_tokens_turns_and_prompt():
+    seen = []
+    samples = [_sample(0, "a", 1.0), _sample(0, "a", 1.0), _sample(1, "b", -1.0), _sample(-1, "pad", 0.5)]
+    for sample, (length, turns, row) in zip(samples, [(9, 2, 4), (9, 2, 4), (3, 1, 5), (0, 1, 0)]):
+        sample.completion_length, sample.turns, sample.row_index = length, turns, row
+    apply_batch_transforms([lambda batch: seen.append(batch) or batch.advantages], samples, step=2)
+    (batch,) = seen
+    np.testing.assert_array_equal(batch.completion_lengths, [9, 3])
+    np.testing.assert_array_equal(batch.trained_tokens, [2, 1])  # rollout a: two samples of one trained token each
+    np.testing.assert_array_equal(batch.turns, [2, 1])
+    np.testing.assert_array_equal(batch.prompt_ids, [4, 5])
+    assert batch.step == 2 and samples[-1].advantage == 0.5
+
+
+def test_check_sees_the_python_apis_loop_cls(temporary_estimator):
+    from grpo.config import AsyncGRPOConfig
+    from grpo.inputs import resolve_inputs
+
+    temporary_estimator("needs_loop", NeedsLoopOptions(), lambda group, opts: group.rewards - group.rewards.mean())
+    config = AsyncGRPOConfig(advantage=NeedsLoopOptions(), num_generations=2)
+    dataset = [{"prompt": [{"role": "user", "content": "hi"}]}]
+    check_advantage_config(config)  # config-only: a two-argument check waits for the inputs
+    inputs = resolve_inputs(config, [some_reward], dataset, [], None, NeedsThisLoop)  # the Python API's loop_cls
+    assert inputs.loop_cls is NeedsThisLoop
+    with pytest.raises(ValueError, match="needs loop_cls=NeedsThisLoop"):
+        resolve_inputs(config, [some_reward], dataset, [], None, None)
+
+
+def test_transform_options_come_from_the_cli_group_or_an_instance():
+    import tyro
+
+    from grpo.batch_std import BatchStdOptions
+    from grpo.config import AsyncGRPOConfig
+
+    cli = tyro.cli(AsyncGRPOConfig, args=["--advantage-batch-transforms", "batch_std",
+                                          "--transform.batch-std.std-eps", "0.5"])
+    python = AsyncGRPOConfig(advantage_batch_transforms=(BatchStdOptions(std_eps=0.5),))
+    samples = [_sample(0, "a", 2.0), _sample(0, "b", -2.0)]  # std 2: 2 / (2 + 0.5) = 0.8
+    for config in (cli, python):
+        copy = [dataclasses.replace(s) for s in samples]
+        apply_batch_transforms(batch_transforms(config.advantage_batch_transforms, config.transform), copy, 1)
+        np.testing.assert_allclose([s.advantage for s in copy], [0.8, -0.8])
