@@ -69,6 +69,9 @@ def test_overlong_penalty_is_dapo_soft_punishment():
                                [0, 0, -0.25, -0.75, -1.0, -1.0])
     shaped = estimate_advantages("no_std", np.array([1.0, 1.0]), np.array([6, 12]), 12, 4, 0.5)
     np.testing.assert_allclose(shaped, [0.25, -0.25])  # rewards 1.0 and 0.5 after shaping
+    # buffer 1: only the completion at max_length is penalised, by the whole factor
+    np.testing.assert_allclose(estimate_advantages("no_std", np.array([1.0, 1.0]), np.array([11, 12]), 12, 1, 0.5),
+                               [0.25, -0.25])
 
 
 def test_unknown_estimator_names_the_choices():
@@ -260,7 +263,9 @@ def test_the_loop_hands_the_estimator_lengths_trained_tokens_turns_and_the_promp
                                                                                                   [-1.0] * 2)]]
     rollouts = [Rollout(completion=[], completion_ids=[t for turn in ts for t in turn.output_ids], turns=ts)
                 for ts in turns]
-    sequences = [[_sample(0, "a", 0.0)], [_sample(0, "b", 0.0), _sample(0, "b", 0.0)]]  # 1 and 1 + 1 trained tokens
+    long = TrainingSample(input_ids=[1, 2, 3, 4], completion_mask=[0, 1, 1, 1], sampler_logprobs=[0.0] * 4,
+                          advantage=0.0, group_id=0, model_version=1, rollout_id="a")
+    sequences = [[long], [_sample(0, "b", 0.0), _sample(0, "b", 0.0)]]  # 3 and 1 + 1 trained tokens
     group = RolloutGroup(prompts=[[]] * 2, reward_kwargs={}, completions=[[]] * 2, completions_ids=[[], []],
                          completions_sequences=sequences, tool_call_counts=[0, 0], tool_failure_counts=[0, 0],
                          model_version=1, group_id=3, row_index=17, env_rewards=[None, None],
@@ -270,7 +275,7 @@ def test_the_loop_hands_the_estimator_lengths_trained_tokens_turns_and_the_promp
     loop.compute_advantages(group)
     (got,) = seen
     np.testing.assert_array_equal(got.completion_lengths, [3, 3])
-    np.testing.assert_array_equal(got.trained_tokens, [1, 2])
+    np.testing.assert_array_equal(got.trained_tokens, [3, 2])
     np.testing.assert_array_equal(got.turns, [1, 2])
     assert got.prompt_id == 17 and advantage_group(group).prompt_id == 17
     np.testing.assert_array_equal(got.rewards, [1.0, 0.0])
@@ -318,3 +323,17 @@ def test_transform_options_come_from_the_cli_group_or_an_instance():
         copy = [dataclasses.replace(s) for s in samples]
         apply_batch_transforms(batch_transforms(config.advantage_batch_transforms, config.transform), copy, 1)
         np.testing.assert_allclose([s.advantage for s in copy], [0.8, -0.8])
+
+
+def test_unscored_rollouts_leave_every_field_of_the_group(temporary_estimator):
+    from grpo.advantages import AdvantageGroup
+
+    seen = []
+    temporary_estimator("seen_subset", SeenOptions(), lambda group, opts: seen.append(group) or group.rewards * 0)
+    group = AdvantageGroup.of([1.0, np.nan, 0.0], [4, 5, 6], [3, 2, 1], [1, 2, 3], prompt_id=8)
+    estimate_advantages(SeenOptions(), group)
+    (got,) = seen
+    for field, want in (("rewards", [1.0, 0.0]), ("completion_lengths", [4, 6]), ("trained_tokens", [3, 1]),
+                        ("turns", [1, 3])):
+        np.testing.assert_array_equal(getattr(got, field), want)
+    assert got.prompt_id == 8
