@@ -17,8 +17,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from grpo.advantages import (GroupStdOptions, batch_transform_cli_type, estimator_cli_union, estimator_options,
-                             transform_options, transform_options_class)
+from grpo.advantages import (batch_transform_cli_type, estimator_cli_union, estimator_options, transform_options,
+                             transform_options_class)
+from grpo.group_estimators import GroupStdOptions
 from grpo.losses import loss_cli_union, sampler_needs
 from grpo.score_centering import ScoreCenteringOptions
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo.advantage_kit import (case_group, estimator_case_for, option_effect_problems, run_estimator_case,
-                                run_transform_case, transform_case_for, transform_case_options)
+from grpo.advantage_kit import (estimator_case_for, option_effect_problems, run_estimator_case, run_transform_case,
+                                transform_case_for)
 from grpo.advantages import (AdvantageGroup, apply_batch_transforms, batch_transforms, estimate_advantages,
                              registered_batch_transforms, registered_estimators)
 from grpo.samples import TrainingSample
@@ -207,7 +207,7 @@ EXAMPLES = ("example_length_estimator", "example_token_transform", "example_cov_
 MUTATIONS = {
     "example_length_estimator.py": ("np.where(penalised, relative, 0.0)", "relative"),  # only_correct ignored
     "example_token_transform.py": ("(weights * batch.advantages).sum()", "batch.advantages.sum()"),  # not per token
-    "example_cov_loss.py": ("penalty = opts.kl_coef * log_ratio ** 2", "penalty = opts.kl_coef * log_ratio.detach() ** 2"),
+    "example_cov_loss.py": ("opts.kl_coef * log_ratio ** 2", "opts.kl_coef * log_ratio.detach() ** 2"),  # detached
 }
 
 
