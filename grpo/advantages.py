@@ -58,8 +58,9 @@ def _empty_options(name: str, kind: str) -> Any:
 def _claim(registry: dict, name: str, kind: str) -> None:
     if name in registry:
         raise ValueError(f"advantage {kind} {name!r} is already registered")
-    if not name.isidentifier():
-        raise ValueError(f"advantage {kind} name {name!r} must be a Python identifier (it names a config field)")
+    if kind == "batch transform" and not name.isidentifier():
+        raise ValueError(f"advantage {kind} name {name!r} must be a Python identifier: it names the config field "
+                         f"of its options (`--transform.NAME.OPTION`)")
 
 
 # ---- what an estimator sees: one group -------------------------------------------------------------------------
