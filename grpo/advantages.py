@@ -381,12 +381,3 @@ def transform_options_class(module: str) -> type:
     cls.__doc__ = "Options of every registered advantage batch transform, by name (used when the name is selected)."
     cls.__module__ = module
     return cls
-
-
-def __getattr__(name: str) -> Any:
-    """The built-in estimators' names, once defined here, now in grpo/group_estimators.py."""
-    if name in ("GroupStdOptions", "group_std", "NoStdOptions", "no_std", "RlooOptions", "rloo"):
-        from grpo import group_estimators
-
-        return getattr(group_estimators, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
