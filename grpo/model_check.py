@@ -137,7 +137,7 @@ def probe_parameters(model) -> dict[str, tuple[str, torch.nn.Parameter]]:
     """family -> (name, parameter): the first trainable parameter of each family, and the LM head weight."""
     chosen = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or "lora_A" in name:  # lora_A's gradient goes through B, zero at initialisation
             continue
         for family, keys in FAMILIES.items():
             if family not in chosen and any(k in name for k in keys) and (family != "attention" or p.dim() == 2):

@@ -367,6 +367,9 @@ def _tree_attention_eager(module, query, key, value, attention_mask, dropout: fl
     if tree_context is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if kwargs.get("softcap") is not None or sliding_window is not None:
+            return _plain_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                    kwargs.get("softcap")), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1:
@@ -386,6 +389,30 @@ def _tree_attention_eager(module, query, key, value, attention_mask, dropout: fl
                                     f"but the tree backend is {tree_context.backend!r}, which cannot; use "
                                     f"attn_backend=auto or one of {CAP_BACKENDS}")
     return fn(tree_context, query, key, value, scaling, sliding_window, softcap), None
+
+
+def _plain_attention(module, query, key, value, attention_mask, dropout, scaling, window, softcap):
+    """An ordinary (not tree-packed) forward of a model switched to `grpo_tree` whose layer has a sliding window or
+    a soft cap: transformers builds no mask for a custom attention name, and SDPA alone would drop both, so the
+    causal (bottom-right aligned) and window mask is built here. query [B, H, Lq, D] -> [B, Lq, H, D]."""
+    if dropout:
+        raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
+    q_len, k_len = query.shape[2], key.shape[2]
+    q_pos = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
+    k_pos = torch.arange(k_len, device=query.device)[None, :]
+    mask = k_pos <= q_pos  # [Lq, Lk]
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    if attention_mask is not None:
+        given = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
+            attention_mask.dtype).min / 2
+        mask = mask & given
+    heads = query.shape[1]
+    key, value = repeat_kv(key, heads), repeat_kv(value, heads)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if softcap is not None:
+        return _capped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2)
 
 
 def _refuse_unknown_scores(module, kwargs: dict) -> None:
