@@ -75,3 +75,22 @@ def test_probe_tolerance_is_the_dtype_floor(tiny_qwen3):
     model = load_policy(str(tiny_qwen3), dtype="bfloat16")
     report = probe(model, "sdpa", 1.0)
     assert report.dtype == torch.bfloat16 and report.passed and report.tolerance[0] > 1e-3
+
+
+def test_probe_checks_values_and_gradients_each(transform_models, monkeypatch):
+    """A fault only in the values (a constant shift: same gradients) and one only in the gradients (the head's
+    backward without the soft cap's slope: same values) are each stopped."""
+    import grpo.logprobs as lp
+
+    model = load_policy(str(transform_models["gemma2"]))
+    real_head = grpo.policy.policy_token_logprobs
+    with monkeypatch.context() as m:
+        m.setattr(grpo.policy, "policy_token_logprobs",
+                  lambda *a, **k: (lambda out: (out[0] + 0.01, *out[1:]))(real_head(*a, **k)))
+        with pytest.raises(ModelCheckError, match=r"max \|Δlogp\| 1\.0e-02"):
+            check_logprob_path(model, _policy(model))
+    with monkeypatch.context() as m:
+        m.setattr(lp, "_grad_raw", lambda logits, index, support, lse, grad, options: lp._chunk_grad_logits(
+            logits, index, support, lse, grad, options.softcap[0] * options.softcap[1]))
+        report = probe(model, "sdpa", 0.7)
+        assert report.logprob_gap < 1e-5 and not report.passed
