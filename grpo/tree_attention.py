@@ -5,7 +5,8 @@ decoder to it. The decoder is called with input_ids [1, N] and position_ids [1, 
 each token at its position in every sample through it), plus a `tree_context` keyword that transformers forwards
 untouched to every attention call. Because the context travels as a keyword argument (not only a global), it
 survives gradient checkpointing, which re-runs layers during backward outside this function's dynamic extent.
-With no `tree_context` the function falls back to transformers' SDPA, so ordinary forwards keep working.
+With no `tree_context` the function falls back to transformers' SDPA (with its own causal and window mask
+and explicit scores for a soft-capped layer), so ordinary forwards keep working.
 
 Backends (same math, three formulations):
 - "flash_varlen": gather each segment's root-to-segment path K/V (kv_index) and call varlen causal attention

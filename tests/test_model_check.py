@@ -94,3 +94,23 @@ def test_probe_checks_values_and_gradients_each(transform_models, monkeypatch):
             logits, index, support, lse, grad, options.softcap[0] * options.softcap[1]))
         report = probe(model, "sdpa", 0.7)
         assert report.logprob_gap < 1e-5 and not report.passed
+
+
+def test_probe_on_the_policy_build_policy_returns(tiny_qwen3, caplog):
+    """As train.py calls it: after `build_policy` with bf16 compute copies beside fp32 masters (one process), the
+    probe runs on the masters and leaves the policy trainable as it was."""
+    from grpo.config import AsyncGRPOConfig
+    from grpo.distributed import DistInfo
+    from grpo.policy import build_policy
+    from grpo.trie import pack_samples
+    from test_train import random_samples
+
+    config = AsyncGRPOConfig(model=str(tiny_qwen3), bf16=True, dtype="float32", compile_layers=False,
+                             gradient_checkpointing="false")
+    model, policy, *_ = build_policy(config, DistInfo(0, 1, 0, torch.device("cpu")), 2048)
+    with caplog.at_level(logging.INFO, logger="grpo.model_check"):
+        report = check_logprob_path(model, policy)
+    assert report.passed and report.dtype == torch.float32 and "check passed" in caplog.text
+    row = pack_samples(random_samples(0))
+    (policy(row).policy_logprobs @ row.advantages).backward()
+    assert all(p.grad is not None for p in model.parameters())
