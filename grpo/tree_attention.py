@@ -321,13 +321,19 @@ def _flex_fn(device: torch.device):
     return _compiled_flex
 
 
+@functools.cache
+def _softcap_score_mod(softcap: float):
+    """Flex's score hook for a soft cap, one function per cap value: the compiled flex guards on the function, so
+    a fresh closure per layer call would recompile."""
+    def score_mod(score, b, h, q_idx, kv_idx):  # flex has already applied `scale` to score
+        return torch.tanh(score / softcap) * softcap
+    return score_mod
+
+
 def _flex(ctx, query, key, value, scaling, window, softcap=None):
     block_mask = _block_mask(ctx, window)
     enable_gqa = key.shape[1] != query.shape[1]
-    score_mod = None
-    if softcap is not None:
-        def score_mod(score, b, h, q_idx, kv_idx):  # flex has already applied `scale` to score
-            return torch.tanh(score / softcap) * softcap
+    score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
     out = _flex_fn(query.device)(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                                  enable_gqa=enable_gqa)
     return out.transpose(1, 2)  # [1, N, H, D]

@@ -159,7 +159,7 @@ def test_unknown_logit_transforms_are_refused():
         head_transform(model)
 
 
-def test_attention_sinks_are_refused():
+def test_attention_sinks_and_non_causal_layers_are_refused():
     from grpo.tree_attention import TreeContext, _tree_attention_eager
 
     row = pack_samples(random_row_samples(random.Random(1), "shared_prompt"))
@@ -167,6 +167,10 @@ def test_attention_sinks_are_refused():
     with pytest.raises(UnsupportedModelError, match="attention sinks"):
         _tree_attention_eager(torch.nn.Module(), q, q, q, None, tree_context=TreeContext(row, "sdpa"),
                               s_aux=torch.zeros(2))
+    bidirectional = torch.nn.Module()
+    bidirectional.is_causal = False
+    with pytest.raises(UnsupportedModelError, match="non-causal"):
+        _tree_attention_eager(bidirectional, q, q, q, None, tree_context=TreeContext(row, "sdpa"))
 
 
 @pytest.mark.parametrize("transform", [HeadTransform(0.25), HeadTransform(1.0, 1.5), HeadTransform(2.0, 3.0)])
