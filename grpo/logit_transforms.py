@@ -1,6 +1,6 @@
 """What a model does to its logits and attention scores beyond h·Wᵀ and softmax(q·kᵀ scale), read from its config.
 
-The trainer computes log-probs from the final hidden states and the LM head weight itself (grpo/logprobs.py), and
+The trainer computes log-probs from the final hidden states and the LM head weight itself (grpo/kernels/logprobs.py), and
 attention through its own tree function (grpo/tree_attention.py), so anything the model's `forward` does on top
 must be done there too, or the model refused (docs/design.md §7.3). Known transforms, in transformers' order:
 
@@ -18,7 +18,7 @@ What no config field reveals (remote code, a future model) is caught by the star
 
 from __future__ import annotations
 
-from grpo.logprobs import HeadTransform
+from grpo.kernels.logprobs import HeadTransform
 
 
 class UnsupportedModelError(ValueError):
@@ -62,7 +62,7 @@ def head_transform(model) -> HeadTransform:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(head, "bias", None) is not None:
         raise UnsupportedModelError(f"{name}'s LM head has a bias, which the trainer's log-prob head "
-                                    "(grpo/logprobs.py) does not add; train a model without an LM-head bias")
+                                    "(grpo/kernels/logprobs.py) does not add; train a model without an LM-head bias")
     multiplier = 1.0
     known = [_MULTIPLIERS[t] for t in _types(model) if t in _MULTIPLIERS]
     if known:

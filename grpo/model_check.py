@@ -1,7 +1,7 @@
 """Start-up probe: the trainer's tree-packed log-probs and gradients against the model's own forward.
 
 The trainer never calls the model's `forward` for log-probs: it runs the text decoder with its own attention
-function (grpo/tree_attention.py) and the LM head through its own chunked head (grpo/logprobs.py). Anything a
+function (grpo/tree_attention.py) and the LM head through its own chunked head (grpo/kernels/logprobs.py). Anything a
 model does outside those two paths (a logit multiplier, a soft cap, attention sinks, remote code) would train on
 silently wrong numbers. `check_logprob_path` runs a few dozen tokens (two completions sharing a prompt, so the
 trie and the ancestor mask are exercised) both ways right after the model is built, and stops the run when the

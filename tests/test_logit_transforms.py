@@ -13,7 +13,7 @@ from conftest import REPO
 from test_tree_attention import random_row_samples
 
 from grpo.logit_transforms import UnsupportedModelError, attention_softcap, head_transform
-from grpo.logprobs import HeadTransform, naive_token_logprobs, policy_token_logprobs
+from grpo.kernels.logprobs import HeadTransform, naive_token_logprobs, policy_token_logprobs
 from grpo.policy import PackedPolicy
 from grpo.tree_attention import select_backend
 from grpo.trie import pack_samples

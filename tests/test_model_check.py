@@ -13,7 +13,7 @@ from test_logit_transforms import transform_models  # noqa: F401 - the session f
 import grpo.policy
 import grpo.tree_attention as ta
 from grpo.logit_transforms import attention_softcap
-from grpo.logprobs import HeadTransform
+from grpo.kernels.logprobs import HeadTransform
 from grpo.model import load_policy
 from grpo.model_check import ModelCheckError, check_logprob_path, probe
 from grpo.policy import PackedPolicy
@@ -80,7 +80,7 @@ def test_probe_tolerance_is_the_dtype_floor(tiny_qwen3):
 def test_probe_checks_values_and_gradients_each(transform_models, monkeypatch):
     """A fault only in the values (a constant shift: same gradients) and one only in the gradients (the head's
     backward without the soft cap's slope: same values) are each stopped."""
-    import grpo.logprobs as lp
+    import grpo.kernels.logprobs as lp
 
     model = load_policy(str(transform_models["gemma2"]))
     real_head = grpo.policy.policy_token_logprobs
