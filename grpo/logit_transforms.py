@@ -1,8 +1,9 @@
 """What a model does to its logits and attention scores beyond h·Wᵀ and softmax(q·kᵀ scale), read from its config.
 
-The trainer computes log-probs from the final hidden states and the LM head weight itself (grpo/kernels/logprobs.py), and
-attention through its own tree function (grpo/tree_attention.py), so anything the model's `forward` does on top
-must be done there too, or the model refused (docs/design.md §7.3). Known transforms, in transformers' order:
+The trainer computes log-probs from the final hidden states and the LM head weight itself
+(grpo/kernels/logprobs.py), and attention through its own tree function (grpo/tree_attention.py), so anything the
+model's `forward` does on top must be done there too, or the model refused (docs/design.md §7.3). Known
+transforms, in transformers' order:
 
 - logit multiplier: Granite family and MiniCPM3 divide by `logits_scaling`; HyperCLOVAX MULTIPLIES by a field of
   the same name; Cohere multiplies by `logit_scale`, Falcon-H1 by `lm_head_multiplier`, MuseGlimmer by

@@ -6,7 +6,8 @@ model does outside those two paths (a logit multiplier, a soft cap, attention si
 silently wrong numbers. `check_logprob_path` runs a few dozen tokens (two completions sharing a prompt, so the
 trie and the ancestor mask are exercised) both ways right after the model is built, and stops the run when the
 log-probs or the gradient of one parameter of each family (embedding, attention, MLP, norm, head) differ beyond
-the compute dtype's floor (docs/design.md §7.3, docs/failures.md).
+the compute dtype's floor (bf16's where a flash backend runs an fp32 model's attention in bf16; docs/design.md
+§7.3, docs/failures.md).
 
 Where it runs: train.py calls it once, after `build_policy` and before the cold weight sync, on the model itself
 (not the sharded policy): the reference is transformers' own eager forward, and the packed side is a fresh
@@ -48,10 +49,11 @@ class ProbeReport:
     logprob_gap: float  # max |Δ log p| over the probe's trained tokens
     grad_gaps: dict[str, float] = field(default_factory=dict)  # family -> max|Δg| / max|g|
     skipped: list[str] = field(default_factory=list)  # families with no trainable parameter (e.g. a LoRA base)
+    attention_dtype: torch.dtype | None = None  # the flash backends' half precision on CUDA, else the weights'
 
     @property
     def tolerance(self) -> tuple[float, float]:
-        return TOLERANCE.get(self.dtype, TOLERANCE[torch.bfloat16])
+        return TOLERANCE.get(self.attention_dtype or self.dtype, TOLERANCE[torch.bfloat16])
 
     @property
     def passed(self) -> bool:
@@ -62,7 +64,10 @@ class ProbeReport:
         grads = ", ".join(f"{k} {v:.1e}" for k, v in self.grad_gaps.items()) or "none trainable"
         skipped = f" (frozen: {', '.join(self.skipped)})" if self.skipped else ""
         lp_tol, grad_tol = self.tolerance
-        return (f"{self.model_class} ({str(self.dtype).removeprefix('torch.')}): max |Δlogp| {self.logprob_gap:.1e} "
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.attention_dtype not in (None, self.dtype):
+            dtype += f", attention in {str(self.attention_dtype).removeprefix('torch.')}"
+        return (f"{self.model_class} ({dtype}): max |Δlogp| {self.logprob_gap:.1e} "
                 f"(tolerance {lp_tol:.0e}), relative gradient gaps {grads}{skipped} (tolerance {grad_tol:.0e})")
 
 
@@ -94,11 +99,15 @@ def probe(model, backend: str = "auto", temperature: float = 1.0, **head_options
     from grpo.lora import packed_forward_module
     from grpo.policy import PackedPolicy
 
+    from grpo.logit_transforms import attention_softcap
+    from grpo.tree_attention import select_backend
+
+    device = next(model.parameters()).device
+    backend = select_backend(backend, device, softcap=attention_softcap(model) is not None)
     packed = PackedPolicy(packed_forward_module(model), backend, temperature, **head_options)
     samples = probe_samples(model.config.get_text_config().vocab_size)
     chosen = probe_parameters(model)
     with _probe_mode(model, [p for _, p in chosen.values()]):
-        device = next(model.parameters()).device
         row = _pack(samples).to(device)
         order = torch.cat([torch.nonzero(row.sample_id == i)[:, 0] for i in range(len(samples))])  # sample-major
         policy_logprobs = packed(row).policy_logprobs[order]  # [M]
@@ -111,7 +120,9 @@ def probe(model, backend: str = "auto", temperature: float = 1.0, **head_options
                           / model_grads[family].abs().max().clamp_min(1e-12)).item() for family in chosen}
     dtype = chosen_dtype(model)
     skipped = [f for f in (*FAMILIES, "head") if f not in chosen]
-    return ProbeReport(type(model).__name__, dtype, gap, grad_gaps, skipped)
+    # FlashAttention runs fp32 models' attention in bf16 (grpo/tree_attention.py `_flash_dtype`): its floor rules
+    flash = device.type == "cuda" and backend in ("flash_varlen", "flash_split") and dtype == torch.float32
+    return ProbeReport(type(model).__name__, dtype, gap, grad_gaps, skipped, torch.bfloat16 if flash else None)
 
 
 def probe_samples(vocab_size: int, seed: int = 0) -> list:

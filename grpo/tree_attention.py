@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.kernels import repeat_kv, varlen_mask
-from grpo.logit_transforms import attention_softcap
+from grpo.logit_transforms import UnsupportedModelError, attention_softcap
 from grpo.row_context import ACTIVE_ROW, run_row_hooks
 from grpo.trie import PackedRow
 
@@ -164,8 +164,6 @@ def select_backend(requested: str = "auto", device: torch.device | str = "cpu", 
 
 
 def _select_cap_backend(requested: str, device: torch.device) -> str:
-    from grpo.logit_transforms import UnsupportedModelError
-
     if (where := _cap_refused_on(device)) is not None:
         raise UnsupportedModelError(f"the model soft-caps its attention logits (attn_logit_softcapping), which is "
                                     f"not supported on {where}; train it on another NVIDIA GPU or on CPU")
@@ -388,8 +386,6 @@ def _tree_attention_eager(module, query, key, value, attention_mask, dropout: fl
         return fn(tree_context, query, key, value, scaling, sliding_window), None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # transformers' default, as a number
     if tree_context.backend not in CAP_BACKENDS:
-        from grpo.logit_transforms import UnsupportedModelError
-
         raise UnsupportedModelError(f"{type(module).__name__} soft-caps its attention logits (softcap={softcap}) "
                                     f"but the tree backend is {tree_context.backend!r}, which cannot; use "
                                     f"attn_backend=auto or one of {CAP_BACKENDS}")
@@ -423,8 +419,6 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
 def _refuse_unknown_scores(module, kwargs: dict) -> None:
     """Attention inputs that change the scores and that no tree backend computes: attention sinks (`s_aux`,
     gpt-oss) and a non-causal layer."""
-    from grpo.logit_transforms import UnsupportedModelError
-
     if kwargs.get("s_aux") is not None:
         raise UnsupportedModelError(f"{type(module).__name__} uses attention sinks (s_aux), which the tree attention "
                                     "backends do not compute; this model cannot be trained with grpo yet")

@@ -38,9 +38,9 @@ def model_logprobs(model, samples, temperature=TEMPERATURE) -> list[torch.Tensor
     """Per sample, log p of each trained token from the model's own forward at `temperature`."""
     out = []
     for s in samples:
-        ids = torch.tensor(s.input_ids)[None]
+        ids = torch.tensor(s.input_ids, device=model.device)[None]
         logits = model(input_ids=ids, use_cache=False).logits[0].float() / temperature  # [L, V]
-        pos = torch.tensor([i for i, m in enumerate(s.completion_mask) if m and i > 0], dtype=torch.long)
+        pos = torch.tensor([i for i, m in enumerate(s.completion_mask) if m and i > 0], device=ids.device)
         out.append(torch.log_softmax(logits[pos - 1], dim=-1).gather(-1, ids[0, pos][:, None])[:, 0])
     return out
 
@@ -206,3 +206,29 @@ def test_ordinary_forward_after_install_keeps_caps_and_window(transform_models):
     ids = torch.randint(10, 1000, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(switched(input_ids=ids).logits, eager(input_ids=ids).logits, atol=2e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemma2", "granite"])
+def test_gpu_auto_backend_equals_transformers(transform_models, kind):
+    """On CUDA, auto picks compiled flex for the soft-capped model (the flash kernels have no cap) and the split
+    flash attention for Granite; log-probs and gradients against transformers' eager forward on the same GPU
+    (flash runs attention in bf16, hence its looser bound), and the start-up probe passes."""
+    from grpo.model_check import check_logprob_path
+
+    ref_model, tree_model = _load(transform_models[kind]).cuda(), _load(transform_models[kind]).cuda()
+    backend = select_backend("auto", "cuda", softcap=attention_softcap(tree_model) is not None)
+    assert (backend == "flex") == (kind == "gemma2")
+    samples = random_row_samples(random.Random(7), "shared_prompt")
+    row = pack_samples(samples).to("cuda")
+    tree = _trainer_logprobs(tree_model, row, backend)
+    ref = model_logprobs(ref_model, samples)
+    atol = 1e-4 if backend == "flex" else 3e-2
+    for i, want in enumerate(ref):
+        torch.testing.assert_close(tree[row.sample_id == i], want, atol=atol, rtol=0)
+    sum(r @ torch.full_like(r, s.advantage) for r, s in zip(ref, samples)).backward()
+    (tree @ row.advantages).backward()
+    for (name, p_ref), p_tree in zip(ref_model.named_parameters(), tree_model.parameters()):
+        torch.testing.assert_close(p_tree.grad, p_ref.grad, atol=10 * atol, rtol=1e-2, msg=name)
+    tree_model.zero_grad(set_to_none=True)
+    assert check_logprob_path(tree_model, PackedPolicy(tree_model, backend, TEMPERATURE)).passed
