@@ -20,8 +20,13 @@ Several servers (docs/design.md, "Several vLLM servers"): a server that fails it
 answering errors) is dropped from the set with a warning when another one is left, and the run continues on the
 rest; the last server's failure raises `WeightSyncError` as with one server, unless the run can wait for it to
 come back (`rejoin_wait_s`, below). `alive_flags` (0/1 per server) is shared with the rollout worker, which stops
-sending to a dropped server and marks the ones it finds dead, so the next sync skips them. With NCCL a change of the set re-forms the group over the survivors before the transfer;
-a server that dies during the broadcast itself fails the sync (the collective cannot finish).
+sending to a dropped server and marks the ones it finds dead, so the next sync skips them. With NCCL a change of
+the set re-forms the group over the survivors before the transfer; a server that dies during the broadcast itself
+fails the sync (the collective cannot finish).
+
+This module holds the servers and the frame; each transport (nccl, ipc, cpu_file, adapter) is its own module
+behind the protocol in grpo/sync_transport.py (docs/design.md §14.6). When `probe` is set (train.py), a sync
+ends with the sync probe (grpo/sync_probe.py, §14.7): server == trainer log-probs, or the run stops.
 
 A PEFT policy is sent merged (grpo/send_plan.py) so the trainer's own weights are never modified (PEFT's in-place
 merge is wrong on FSDP2 shards). Unless `adapter` is given (grpo/lora.py): then each sync writes the adapter in PEFT
