@@ -118,7 +118,7 @@ class SyncProbe:
         tokens = probe_tokens(int(text.vocab_size))
         ours = trainer_logprobs(model, tokens)
         norms = parameter_norms(model)
-        if sync.rank != 0:
+        if sync.rank != 0 or not sync.alive():  # no server to compare with (a dropped one rejoins cold-synced)
             return {}
         floor = self.tolerance if self.tolerance is not None else self._floor(sync, model)
         worst, mean = 0.0, 0.0
