@@ -15,12 +15,9 @@ lives; grpo/server_facts.py `sync_config` builds it from the run's config).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from grpo.weight_sync import WeightSync
+from torch import nn
 
 
 class Transport(Protocol):
@@ -42,8 +39,9 @@ class Transport(Protocol):
         """Release the channel (group, buffers, kept files)."""
 
 
-def make_transport(mode: str, session: WeightSync) -> Transport:
-    """The transport for a resolved mode (`auto` is resolved by WeightSync.init first)."""
+def make_transport(mode: str, session) -> Transport:
+    """The transport for a resolved mode (`auto` is resolved by WeightSync.init first); `session` is the
+    grpo.weight_sync.WeightSync it serves (its servers, config, plan and phases)."""
     if mode == "adapter":
         from grpo.sync_adapter import AdapterTransport
 

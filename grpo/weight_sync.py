@@ -55,7 +55,7 @@ from torch import nn
 from grpo.rejoin import Rejoiner, RejoinMixin
 from grpo.send_plan import SendPlan, build_plan, checkpoint_name, is_adapter_param  # noqa: F401 (public names)
 from grpo.sync_deadline import call_phase
-from grpo.sync_errors import WeightSyncError  # noqa: F401 (public name)
+from grpo.sync_errors import WeightSyncError  # also the name tests and callers catch from here
 from grpo.sync_nccl import local_address_towards  # noqa: F401 (public name)
 from grpo.sync_transport import Transport, make_transport
 
