@@ -13,8 +13,10 @@ last probe that passed (a stale tensor is one that moved on the trainer and not 
 
 Not yet for an FSDP2-sharded trainer (several ranks, or `one_process_fsdp`): said once in the log, then skipped.
 Cost: one forward of `PROBE_LEN` tokens on every rank (collective under FSDP2), one norm per parameter, and one
-short request per server; on the tiny CPU model about 20 ms. Metrics (rank 0): `sampling/sync_check_max_logp_diff`,
-`sampling/sync_check_mean_logp_diff`, `sampling/sync_checks`.
+short request per server. Metrics (rank 0): `sampling/sync_check_max_logp_diff`,
+`sampling/sync_check_mean_logp_diff`, `sampling/sync_checks`,
+`sampling/sync_check_unanswered` (a server that fails the probe request is logged and counted, not fatal: dropping
+it is the rollout worker's and the next sync's business).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class SyncProbe:
     """Largest |log-prob difference| accepted; None = `FLOORS` of the coarser dtype."""
     syncs: int = 0
     checks: int = 0
+    unanswered: int = 0
+    """Probe requests a server failed to answer (counted, logged, not fatal)."""
     last_norms: dict[str, float] = field(default_factory=dict)
     """Parameter norms at the last probe that passed (rank 0 reads them)."""
     _names: dict[int, str] = field(default_factory=dict)
@@ -123,8 +127,13 @@ class SyncProbe:
         floor = self.tolerance if self.tolerance is not None else self._floor(sync, model)
         worst, mean = 0.0, 0.0
         for i in sync.alive():
-            served = self._served_name(sync, i, version)
-            theirs = torch.tensor(sync.controls[i].prompt_logprobs(served, tokens))
+            try:
+                theirs = torch.tensor(sync.controls[i].prompt_logprobs(self._served_name(sync, i, version), tokens))
+            except Exception as exc:  # a dead or failing server is the rollout worker's and the next sync's business
+                self.unanswered += 1
+                log.warning("sync probe after weight version %d: %s did not answer (%s: %s); not checked this time "
+                            "(sampling/sync_check_unanswered)", version, sync.urls[i], type(exc).__name__, exc)
+                continue
             gap = (theirs - ours).abs()
             worst, mean = max(worst, float(gap.max())), max(mean, float(gap.mean()))
             if float(gap.max()) > floor:
@@ -134,7 +143,7 @@ class SyncProbe:
         log.info("sync probe after weight version %d (%s): server == trainer within %.2g (max |dlogp| %.2g)",
                  version, sync.transport.name, floor, worst)
         return {"sampling/sync_check_max_logp_diff": worst, "sampling/sync_check_mean_logp_diff": mean,
-                "sampling/sync_checks": float(self.checks)}
+                "sampling/sync_checks": float(self.checks), "sampling/sync_check_unanswered": float(self.unanswered)}
 
     def _sharded(self, model: nn.Module) -> bool:
         """FSDP2-sharded parameters: the probe's plain forward would bypass the root's unshard hooks (the root is

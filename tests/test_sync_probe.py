@@ -91,6 +91,19 @@ def test_probe_passes_on_equal_weights_and_names_the_stale_tensor(tiny_qwen3):
         probe.after_sync(Session(served), trainer, 3)
 
 
+def test_a_server_that_does_not_answer_the_probe_is_counted_not_fatal(tiny_qwen3):
+    import httpx
+
+    class Down(ServingModel):
+        def prompt_logprobs(self, name, tokens):
+            raise httpx.ConnectError("connection refused")
+
+    session = Session(load(tiny_qwen3))
+    session.controls = [Down(None)]
+    metrics = SyncProbe(every=1).after_sync(session, load(tiny_qwen3), 1)
+    assert metrics["sampling/sync_check_unanswered"] == 1 and metrics["sampling/sync_checks"] == 1
+
+
 # ---- a real vLLM CPU server ---------------------------------------------------------------------------------------
 @pytest.mark.vllm
 def test_tied_embedding_sync_matches_and_a_skipped_tensor_is_caught(tiny_models, tmp_path):
