@@ -125,7 +125,7 @@ class SyncProbe:
         if sync.rank != 0 or not sync.alive():  # no server to compare with (a dropped one rejoins cold-synced)
             return {}
         floor = self.tolerance if self.tolerance is not None else self._floor(sync, model)
-        worst, mean = 0.0, 0.0
+        worst, mean, unanswered_before = 0.0, 0.0, self.unanswered
         for i in sync.alive():
             try:
                 theirs = torch.tensor(sync.controls[i].prompt_logprobs(self._served_name(sync, i, version), tokens))
@@ -138,8 +138,9 @@ class SyncProbe:
             worst, mean = max(worst, float(gap.max())), max(mean, float(gap.mean()))
             if float(gap.max()) > floor:
                 raise self._error(sync, model, i, version, gap, floor, norms)
-        self.checks += 1
-        self.last_norms = norms
+        answered = len(sync.alive()) - (self.unanswered - unanswered_before)
+        self.checks += answered > 0
+        self.last_norms = norms if answered else self.last_norms
         log.info("sync probe after weight version %d (%s): server == trainer within %.2g (max |dlogp| %.2g)",
                  version, sync.transport.name, floor, worst)
         return {"sampling/sync_check_max_logp_diff": worst, "sampling/sync_check_mean_logp_diff": mean,
