@@ -7,6 +7,10 @@ workers) and calls `register()`; pyproject.toml declares ours. Only the transpor
 manifest for a broadcast. The trainer side lives in `weight_sync.py`.
 
 Start the server with `--weight-transfer-config '{"backend": "cpu_file"}'` (rollout.py serve --server.cpu does).
+
+After the layerwise reload, modules that share a parameter (a tied `lm_head` and `embed_tokens`) but received no
+tensor get their post-load step rerun, or a CPU server keeps computing logits with the old embedding
+(`unloaded_tied_layers`, docs/design.md §14.6).
 """
 
 from __future__ import annotations
