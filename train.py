@@ -94,6 +94,7 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     from grpo.model_check import check_logprob_path
     from grpo.policy import build_policy
     from grpo.server_facts import build_weight_sync, server_facts
+    from grpo.sync_probe import SyncProbe
     from grpo.trackers import build_trackers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -113,6 +114,7 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     state = ckpt.start_state(config.resume_from_checkpoint, config.output_dir, model, optimizer, scheduler,
                              log_on_this_rank=info.is_main)
     sync, adapter = build_weight_sync(config, facts, model)
+    sync.probe = SyncProbe.from_config(config)  # server == trainer after syncs (grpo/sync_probe.py)
     version = state["model_version"] + 1
     sync.sync(model, version)  # cold sync
     logger = MetricsLogger(config.output_dir, enabled=info.is_main,

@@ -225,6 +225,14 @@ class AsyncGRPOConfig:
     """Samples more than this many weight versions old are dropped; also bounds how far generation runs ahead."""
     weight_sync_steps: int = 1
     """Optimizer steps between weight syncs to the server."""
+    sync_check_steps: int = 10
+    """Sync probe (grpo/sync_probe.py): after the first weight sync and every this many syncs, each server's
+    log-probs on a fixed 16-token probe are compared with the trainer's own forward; a gap above the dtype floor
+    stops the run naming the transfer path and the tensors most likely at fault (a server silently left on old
+    weights, docs/failures.md). 0 = never. Costs one short forward and one request per server."""
+    sync_check_tolerance: float | None = None
+    """Largest |log-prob difference| the sync probe accepts; None = by dtype (float32 5e-3, float16 0.1,
+    bfloat16 0.3: `FLOORS` in grpo/sync_probe.py)."""
     rollout_worker_timeout: float = 300.0
     """Seconds without a worker heartbeat after which the trainer declares it hung."""
     score_queue_maxsize: int = 16
