@@ -50,8 +50,9 @@ def documented_commands() -> list[tuple[str, list[str]]]:
             for line in block.replace("\\\n", " ").splitlines():
                 if "train.py" in line and (argv := _tokens_after_train_py(line)) is not None:
                     found.append((f"{path.name}: {line.strip()[:80]}", argv))
-        for span in re.findall(r"`([^`\n]*train\.py[^`\n]*)`", re.sub(r"```.*?```", "", text, flags=re.S)):
-            if (argv := _tokens_after_train_py(span)) is not None:
+        # inline spans paired left to right, so the prose between two spans is never taken for one
+        for span in re.findall(r"`([^`\n]*)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+            if "train.py" in span and (argv := _tokens_after_train_py(span)) is not None:
                 found.append((f"{path.name}: {span[:80]}", argv))
     return [(where, argv) for where, argv in found  # a bare `train.py` is a mention, not a command
             if argv and "--help" not in argv and not any(TEMPLATE.search(t) for t in argv)]
