@@ -99,6 +99,15 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
     return RunInputs(list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls)
 
 
+def check_tokenizer(tokenizer, model: str) -> None:
+    """Rollouts render every prompt with the tokenizer's chat template: one without a template fails here, not
+    inside the rollout loop."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of --model {model!r} has no chat template (rollouts render conversational "
+                         f"prompts with apply_chat_template); use an instruct/chat checkpoint, or set "
+                         f"tokenizer.chat_template and save_pretrained it into the model directory")
+
+
 def check_model_path(model: str) -> None:
     """A `--model` that is a filesystem path must exist (named before anything contacts the server)."""
     from pathlib import Path
