@@ -391,7 +391,7 @@ SECONDS = Num(lo=0, lo_open=True, hi=MAX_WAIT_S)
 COUNT = Num(lo=1, integer=True)
 TIME_OR_ZERO = Num(lo=0, hi=MAX_WAIT_S, special={0: "at once"})
 
-AsyncGRPOConfig.FIELD_DOMAINS = {
+FIELD_DOMAINS = {
     "model": Text(), "dtype": LITERAL, "trust_remote_code": Flag(),
     "router_aux_loss_coef": Num(lo=0, none="the model config's value", special={0: "disables it"}),
     "attn_backend": LITERAL, "gradient_checkpointing": LITERAL, "bf16": Flag(none="on when CUDA is available"),
@@ -454,6 +454,7 @@ AsyncGRPOConfig.FIELD_DOMAINS = {
     "run_name": Text(none="the output_dir's name"), "project": Text(), "log_completions": Flag(),
     "num_completions_to_print": Num(lo=1, integer=True, none="one group"),
 }
+AsyncGRPOConfig.FIELD_DOMAINS = FIELD_DOMAINS  # a subclass adds its own fields' in a FIELD_DOMAINS class attribute
 
 
 def _budget_fits_a_sample(config: AsyncGRPOConfig) -> str | None:
