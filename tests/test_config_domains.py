@@ -50,14 +50,17 @@ FIELDS = [f.name for f in dataclasses.fields(AsyncGRPOConfig)]
 NUMERIC = {name: kind for name in FIELDS if (kind := numeric_kind(HINTS[name]))}
 
 
+def below_smallest_sample(name: str) -> list:
+    """Token counts one below the smallest sample the field must hold: a sample is at least one prompt token and
+    one completion token, and a row must hold a one-token prompt with a completion of max_completion_length."""
+    if name not in TOKEN_FIELDS:
+        return []
+    return [1] + ([AsyncGRPOConfig().max_completion_length] if name == "token_budget" else [])
+
+
 def boundary_values(name: str, kind: type) -> list:
-    smallest_sample = 2  # one prompt token and one completion token
     values = [0, -1, HUGE_INT] if kind is int else [0.0, -1.0, HUGE_FLOAT, math.nan, math.inf]
-    if name in TOKEN_FIELDS:
-        values.append(smallest_sample - 1)
-        if name == "token_budget":  # a completion of max_completion_length and a one-token prompt must fit
-            values.append(AsyncGRPOConfig().max_completion_length)
-    return values
+    return values + below_smallest_sample(name)
 
 
 def start_check(config: AsyncGRPOConfig) -> None:
@@ -93,6 +96,7 @@ def test_boundary_values_are_refused_by_name_or_documented(name):
         except ConfigValueError as exc:
             assert name in exc.fields and f"--{name.replace('_', '-')}" in str(exc), str(exc)
             continue
+        assert value not in below_smallest_sample(name), f"{name}={value} cannot hold a sample, accepted at start"
         meaning = domain.meaning(value)
         if value in (0, -1):
             assert meaning is not None, f"{name}={value} accepted at start with no declared meaning"
@@ -139,3 +143,39 @@ def test_the_openai_style_url_is_the_server_root(caplog):
     with caplog.at_level("INFO", logger="train"):
         start_check(config)
     assert "ends in /v1" in caplog.text
+
+
+# ---- the documented special values do what their docstrings say -------------------------------------------------
+def test_max_grad_norm_0_means_no_clipping():
+    import torch
+
+    from grpo.step import queue_optimizer_step
+
+    def step(max_grad_norm: float) -> torch.Tensor:
+        layer = torch.nn.Linear(4, 1, bias=False)
+        torch.nn.init.zeros_(layer.weight)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+        (layer(torch.full((1, 4), 100.0)).sum()).backward()  # gradient 100 per weight, norm 200
+        queue_optimizer_step(layer, optimizer, max_grad_norm)
+        return -layer.weight.detach().flatten()
+
+    assert torch.allclose(step(0.0), torch.full((4,), 100.0))  # unclipped
+    assert torch.allclose(step(1.0).norm(), torch.tensor(1.0))  # clipped to norm 1
+
+
+def test_eval_steps_0_means_only_the_final_evaluation():
+    from grpo.evaluation import eval_due
+
+    assert not any(eval_due(step, 0) for step in range(1, 1000)) and eval_due(50, 50)
+
+
+def test_max_nonfinite_steps_0_means_never_stop():
+    from grpo.step import NonFiniteStepError, check_nonfinite
+
+    in_a_row = 0
+    for step in range(1, 20):
+        in_a_row = check_nonfinite(False, step, [{"loss": float("nan")}], float("nan"), in_a_row, 0)
+    assert in_a_row == 19
+    with pytest.raises(NonFiniteStepError):
+        for step in range(1, 4):
+            in_a_row = check_nonfinite(False, step, [{"loss": float("nan")}], float("nan"), step - 1, 3)
