@@ -64,7 +64,7 @@ class AsyncGRPOConfig:
     compile_scope: Literal["regions", "layers", "layers_gdn"] = "layers_gdn"
     """What `compile_layers` compiles: layers_gdn = each dense attention layer whole, and where FLA runs Gated
     DeltaNet in one pass per row each GDN layer whole too (FLA a custom op inside; with a sparse MLP, its mixer
-    alone; grpo/gdn_graph.py); layers = the attention layers whole only (GDN layers keep their regions); regions =
+    alone; grpo/kernels/gdn_graph.py); layers = the attention layers whole only (GDN layers keep their regions); regions =
     the norms, MLP and rotary embedding of each layer, one compiled call each (~6 per layer). The attention layer's
     graph holds `flash_split` as a custom op (other backends split it into two graphs); MoE layers keep their
     regions. On an H200: layers gave the Qwen3-0.6B step +5-17 % and Qwen3-1.7B +1-5 % trained tokens/s over
@@ -72,8 +72,8 @@ class AsyncGRPOConfig:
     (2026-12-05, 40.5 % MFU)."""
     gdn_kernel: Literal["auto", "fla", "torch"] = "auto"
     """Gated DeltaNet (Qwen3.5) recurrence on tree rows: fla = flash-linear-attention's varlen Triton kernel
-    (`pip install fla-core`), torch = this project's chunked torch kernel per padded trie level (grpo/gdn_kernel.py);
-    auto = fla on CUDA where installed and checked, else torch (grpo/gdn_choice.py)."""
+    (`pip install fla-core`), torch = this project's chunked torch kernel per padded trie level (grpo/kernels/gdn_kernel.py);
+    auto = fla on CUDA where installed and checked, else torch (grpo/kernels/gdn_choice.py)."""
 
     # ---- PEFT / LoRA -----------------------------------------------------------------------------------------------
     lora_r: int = 0

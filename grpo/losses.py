@@ -300,7 +300,7 @@ def standard_metrics(inputs: LossInputs, raw_ratio: Tensor, band_mask: Tensor, c
 
 
 def entropy_metric(entropy: Tensor) -> dict[str, Tensor]:
-    """`entropy`: mean token entropy over trained tokens (entropy [M] from grpo.logprobs)."""
+    """`entropy`: mean token entropy over trained tokens (entropy [M] from grpo.kernels.logprobs)."""
     import torch
 
     return {"entropy": reduce(entropy.detach().float(), torch.mean)}

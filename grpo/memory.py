@@ -59,7 +59,7 @@ def checkpointing_fraction(mode, policy, model, info, token_budget: int, run_pro
 
 KEPT_LOGITS_SHARE = 16
 """The log-prob head may keep its forward logits for the backward in up to 1/16 of the device's memory: 8.9 GB on
-an H200 (a whole 16k-token row of a 248k vocabulary in bf16, one block: grpo/logprobs.py), 5 GB on an 80 GB card.
+an H200 (a whole 16k-token row of a 248k vocabulary in bf16, one block: grpo/kernels/logprobs.py), 5 GB on an 80 GB card.
 The probe above counts them like any activation."""
 
 

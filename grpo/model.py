@@ -112,11 +112,11 @@ def set_gradient_checkpointing(model, fraction: float) -> int:
 def compile_layer_regions(model, scope: str = "regions") -> int:
     """torch.compile the elementwise-heavy regions of every decoder layer: the dense MLP (SiLU x mul fused with
     its casts), the RMSNorms (one kernel instead of ~8 fp32 passes; Gated DeltaNet's gated norm too) and the rotary
-    embedding; Gated DeltaNet's tree causal conv with its SiLU (`grpo.gdn.compile_tree_conv`: ~3 fp32 passes over
+    embedding; Gated DeltaNet's tree causal conv with its SiLU (`grpo.kernels.gdn.compile_tree_conv`: ~3 fp32 passes over
     [N, C] per tap eager). Attention (tree layouts), the GDN recurrence and MoE routing stay eager. dynamic=True:
     packed rows change length every micro-batch, static shapes would recompile each time. With Gated DeltaNet
     layers, the torch GDN kernel's
-    state-free regions are compiled too (`grpo.gdn.compile_chunk_regions`; measured on one H200, Qwen3.5-2B GDN
+    state-free regions are compiled too (`grpo.kernels.gdn.compile_chunk_regions`; measured on one H200, Qwen3.5-2B GDN
     shapes: fwd+bwd 34.3 -> 27.8 ms per layer on a tree row, 16.5 -> 12.5 on a plain one, same errors against the
     fp32 reference: scripts/bench_gdn.py --compile) when GRPO_GDN_COMPILE=1: off by default, because in the first
     GPU run with them on (Qwen3.5-tiny against vLLM, 2026-12-02) the trainer had not finished its first step two
@@ -124,20 +124,24 @@ def compile_layer_regions(model, scope: str = "regions") -> int:
     on CPU one such compile takes ~70 s), and their gain in the whole step is not measured yet. Returns the number
     of compiled modules. `scope="layers"` compiles each dense attention layer whole instead (`whole_layers`) and the
     regions of the other layers; `scope="layers_gdn"` also each Gated DeltaNet layer whole where FLA runs it in one
-    pass per row (`whole_gdn_layers`), and the mixer of the other GDN layers (grpo/gdn_graph.py)."""
+    pass per row (`whole_gdn_layers`), and the mixer of the other GDN layers (grpo/kernels/gdn_graph.py)."""
     import sys
 
     from grpo.distributed import decoder_layers
-    from grpo.gdn import is_gdn_layer
+    from grpo.kernels.gdn import is_gdn_layer
 
     if scope not in ("regions", "layers", "layers_gdn"):
         raise ValueError(f"compile_scope must be regions, layers or layers_gdn, got {scope!r}")
     whole = whole_layers(model) if scope in ("layers", "layers_gdn") else []
     gdn_whole = whole_gdn_layers(model) if scope == "layers_gdn" else []
     if gdn_whole:  # their packed forwards read the row's mixer tables, built before the decoder runs
+        from grpo.kernels.gdn_graph import row_tables
+        from grpo.row_context import set_row_hook
         from grpo.tree_attention import text_decoder
 
-        text_decoder(model)._grpo_gdn_whole = gdn_whole[0].linear_attn.conv_kernel_size
+        kernel_size = gdn_whole[0].linear_attn.conv_kernel_size
+        set_row_hook(text_decoder(model), "gdn_tables",
+                     lambda ctx: setattr(ctx, "gdn_tables", row_tables(ctx, kernel_size)))
     whole += gdn_whole
     for layer in whole:
         layer.compile(dynamic=True)
@@ -169,14 +173,14 @@ def _compile_gdn_regions(scope: str) -> int:
     mixer of GDN layers not compiled whole; with GRPO_GDN_COMPILE=1 the torch kernel's regions."""
     import os
 
-    from grpo.gdn import compile_chunk_regions, compile_tree_conv
+    from grpo.kernels.gdn import compile_chunk_regions, compile_tree_conv
 
     compile_tree_conv()
     compiled = 1
     if scope == "layers_gdn":
-        from grpo.gdn_graph import compile_gdn_mixer
+        from grpo.kernels.gdn_graph import compile_gdn_mixer
 
-        compile_gdn_mixer()  # used where FLA runs in one pass per row (grpo/gdn_graph.py)
+        compile_gdn_mixer()  # used where FLA runs in one pass per row (grpo/kernels/gdn_graph.py)
         compiled += 1
     if os.environ.get("GRPO_GDN_COMPILE", "0") == "1":
         compile_chunk_regions()
@@ -188,7 +192,7 @@ def whole_layers(model) -> list:
     """The decoder layers `compile_scope="layers"` compiles whole: attention + a dense MLP, nothing dynamo should not
     trace (a Gated DeltaNet layer's tree scan calls FLA's Triton kernels; MoE routing has data-dependent shapes)."""
     from grpo.distributed import decoder_layers
-    from grpo.gdn import is_gdn_layer
+    from grpo.kernels.gdn import is_gdn_layer
 
     return [layer for layer in decoder_layers(model)
             if hasattr(layer, "self_attn") and type(getattr(layer, "mlp", None)).__name__.endswith("MLP")
@@ -197,11 +201,11 @@ def whole_layers(model) -> list:
 
 def whole_gdn_layers(model) -> list:
     """The decoder layers `compile_scope="layers_gdn"` also compiles whole: a Gated DeltaNet mixer that
-    grpo/gdn_graph.py's formula covers, run by FLA in one pass per row on its device (decided here, FLA's check
+    grpo/kernels/gdn_graph.py's formula covers, run by FLA in one pass per row on its device (decided here, FLA's check
     included), and a dense MLP. Elsewhere (the torch kernel, an adapter on a projection) the layer keeps its regions."""
-    from grpo import gdn
+    from grpo.kernels import gdn
     from grpo.distributed import decoder_layers
-    from grpo.gdn_graph import mixer_weights
+    from grpo.kernels.gdn_graph import mixer_weights
 
     chosen = []
     for layer in decoder_layers(model):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.config import AsyncGRPOConfig
-from grpo.logprobs import policy_token_logprobs
+from grpo.kernels import policy_token_logprobs
 from grpo.tree_attention import forward_decoder, lm_head_weight
 
 log = logging.getLogger("train")
@@ -34,7 +34,7 @@ class PackedPolicy(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, backend: str, temperature: float, logprob_chunk: int = 4096,
                  aux_coef: float = 0.0, keep_logits_bytes: int = 0, fused_head: bool = False):
         super().__init__()
-        self.keep_logits_bytes, self.fused_head = keep_logits_bytes, fused_head  # speed only (grpo/logprobs.py)
+        self.keep_logits_bytes, self.fused_head = keep_logits_bytes, fused_head  # speed only (grpo/kernels/logprobs.py)
         self.aux_coef = aux_coef
         self.model = model
         self.backend = backend
@@ -71,7 +71,7 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
 
     from grpo import master_weights
     from grpo.distributed import hsdp_replicas, shard_model
-    from grpo.gdn import patch_gdn_layers
+    from grpo.kernels.gdn import patch_gdn_layers
     from grpo.lora import packed_forward_module, peft_config_from_run, wrap_policy
     from grpo.memory import checkpointing_fraction, kept_logits_bytes, probe_samples
     from grpo.model import (aux_loss_coef, compile_layer_regions, load_policy, set_gradient_checkpointing,

@@ -138,7 +138,7 @@ class RejoinMixin:
     def _wait_for_rejoin(self, model, version: int) -> None:
         """Rank 0 after a sync that lost its last server: wait up to rejoin_wait_s for one to come back."""
         from grpo.progress import WaitProgress
-        from grpo.weight_sync import WeightSyncError
+        from grpo.sync_errors import WeightSyncError
 
         error = self._none_left or WeightSyncError(f"weight sync version {version}: no vLLM server is alive")
         if not self._can_rejoin_alone():

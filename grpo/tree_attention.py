@@ -11,7 +11,7 @@ Backends (same math, three formulations):
 - "flash_varlen": gather each segment's root-to-segment path K/V (kv_index) and call varlen causal attention
   with bottom-right alignment: torch's `varlen_attn(..., window_size=(-1, 0))`, or the `kernels` flash-attn
   varlen kernel when torch lacks it (TRL uses FlashAttention-3 varlen the same way).
-- "flash_split": the same attention as two varlen calls merged by log-sum-exp (grpo/tree_split.py): each segment
+- "flash_split": the same attention as two varlen calls merged by log-sum-exp (grpo/kernels/tree_split.py): each segment
   causally over itself in place, plus the children of each parent over the parent's path gathered once per parent,
   not once per child; on CPU it runs a dense reference of the flash contract (the tests' path). auto's choice on
   an sm80+ GPU (flash_varlen when torch lacks its FlashAttention ops).
@@ -23,13 +23,12 @@ Backends (same math, three formulations):
 
 Qwen3.5 (`Qwen3_5ForConditionalGeneration`): only the text stack runs; its full-attention layers go through this
 function and position ids are the depth on all four M-RoPE rows (text-only, so temporal = height = width =
-depth). Its Gated DeltaNet layers are NOT made tree-aware here: `grpo/gdn.py` reads `ACTIVE_ROW` (or the
+depth). Its Gated DeltaNet layers are NOT made tree-aware here: `grpo/kernels/gdn.py` reads `ACTIVE_ROW` (or the
 `tree_context` keyword) and patches them.
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
@@ -38,15 +37,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from grpo.tree_split import repeat_kv, varlen_mask
+from grpo.kernels import repeat_kv, varlen_mask
+from grpo.row_context import ACTIVE_ROW, run_row_hooks
 from grpo.trie import PackedRow
 
 logger = logging.getLogger(__name__)
 
 ATTN_NAME = "grpo_tree"
 BACKENDS = ("flash_varlen", "flash_split", "flex", "sdpa", "gathered_sdpa")
-ACTIVE_ROW: contextvars.ContextVar[PackedRow | None] = contextvars.ContextVar("ACTIVE_ROW", default=None)
-"""The PackedRow being forwarded by `forward_hidden` (on the model's device); None outside it."""
 
 _logged: set[str] = set()
 _compiled_flex = None
@@ -59,8 +57,8 @@ class TreeContext:
     row: PackedRow
     backend: str
     cache: dict = field(default_factory=dict)
-    split_plan: tuple | None = None  # flash_split: the row's plan as tensors (grpo/tree_split.py `plan_tensors`)
-    gdn_tables: tuple | None = None  # GDN layers compiled whole: the row's mixer tables (grpo/gdn_graph.py)
+    split_plan: tuple | None = None  # flash_split: the row's plan as tensors (grpo/kernels/tree_split.py `plan_tensors`)
+    gdn_tables: tuple | None = None  # set by a row hook (grpo/row_context.py) where GDN layers are compiled whole
 
 
 # --------------------------------------------------------------------------------------------- backend choice
@@ -225,7 +223,7 @@ def _flash_split(ctx, query, key, value, scaling, window):
     if window is not None:  # no sliding window in the split formulation: the path-gathering one takes the layer
         _log_once("tree attention flash_split: sliding-window layers run the path-gathering formulation")
         return (_flash_varlen if query.is_cuda else _gathered_sdpa)(ctx, query, key, value, scaling, window)
-    from grpo.tree_split import split_attention
+    from grpo.kernels.tree_split import split_attention
 
     dtype = _flash_dtype(query) if query.is_cuda else query.dtype
     q, k, v = (x.squeeze(0).transpose(0, 1).to(dtype) for x in (query, key, value))  # [N, H or Hkv, D]
@@ -289,7 +287,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     if (torch.compiler.is_compiling() and tree_context is not None and tree_context.split_plan is not None
             and sliding_window is None and not dropout and query.shape[0] == 1
             and (not query.is_cuda or query.dtype in (torch.float16, torch.bfloat16))):
-        from grpo.tree_split import split_attention_in_graph
+        from grpo.kernels.tree_split import split_attention_in_graph
 
         q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # [N, H or Hkv, D]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -360,13 +358,10 @@ def forward_decoder(model: torch.nn.Module, row: PackedRow, backend: str = "auto
         row = row.to(device, non_blocking=True)
     ctx = TreeContext(row=row, backend=backend)
     if backend == "flash_split":
-        from grpo.tree_split import plan_tensors
+        from grpo.kernels.tree_split import plan_tensors
 
         ctx.split_plan = plan_tensors(row)
-    if getattr(decoder, "_grpo_gdn_whole", None):  # compile_scope=layers_gdn compiled its GDN layers whole
-        from grpo.gdn_graph import row_tables
-
-        ctx.gdn_tables = row_tables(ctx, decoder._grpo_gdn_whole)
+    run_row_hooks(decoder, ctx)  # e.g. the mixer tables of GDN layers compiled whole (grpo/model.py)
     token = ACTIVE_ROW.set(row)
     try:
         out = decoder(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False,

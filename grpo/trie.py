@@ -48,7 +48,7 @@ class PackedRow:
     num_raw_tokens: int
     num_groups: int
     attention_cost: int  # sum over nodes of (depth + 1)
-    # Part 2 of the split attention (grpo/tree_split.py): each non-root token against its parent's root-to-parent
+    # Part 2 of the split attention (grpo/kernels/tree_split.py): each non-root token against its parent's root-to-parent
     # path. Grouped (anc_in_place False): the queries of each parent's children (their own tokens, gathered) against
     # the path, P parents with children, Qa queries, Ka keys. In place (True, where each parent's children lie
     # together in the row, as in every two-level trie): the row itself cut into R runs of consecutive segments with

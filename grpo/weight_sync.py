@@ -54,13 +54,10 @@ from torch import nn
 from grpo.rejoin import Rejoiner, RejoinMixin
 from grpo.send_plan import SendPlan, build_plan, checkpoint_name, is_adapter_param  # noqa: F401 (public names)
 from grpo.sync_deadline import call_phase, finish_quietly, join_within, start_thread, wait_phase
+from grpo.sync_errors import WeightSyncError  # also the name tests and callers catch from here
 from grpo.vllm_server import free_port
 
 log = logging.getLogger("grpo.weight_sync")
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync failed; the server may hold partial weights and stay paused: restart it."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The split tree attention (grpo/tree_split.py) of one attention layer on one trainer row, piece by piece and per
+"""The split tree attention (grpo/kernels/tree_split.py) of one attention layer on one trainer row, piece by piece and per
 kernel: time and error against torch's FlashAttention.
 
     python scripts/bench_attention.py                          # Qwen3-1.7B heads: tree (ratio 3.4) and plain rows
@@ -9,7 +9,7 @@ kernel: time and error against torch's FlashAttention.
 Rows are scripts/bench_step.py's workload (groups of 8 rollouts, 1068-token prompts, 256-token completions, up to
 --token-budget unique tokens; built by scripts/bench_gdn.py's `build_row`), q/k/v random bf16. Pieces: part 1 (each
 segment causally over itself) forward and backward, part 2 (each token over its parent's path) forward and
-backward with its K/V gather, the merge (compiled `merge_in_place`, the Triton kernel of grpo/split_merge.py, and
+backward with its K/V gather, the merge (compiled `merge_in_place`, the Triton kernel of grpo/kernels/split_merge.py, and
 eager), and the whole split forward + backward as autograd runs it. Times are CUDA-event medians; errors are
 max |x - flash| / max |flash| over out, dq, dk, dv.
 """
@@ -50,7 +50,7 @@ def cudnn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
 
 
 def primitives(name: str):
-    from grpo import tree_split
+    from grpo.kernels import tree_split
 
     return {"flash": (tree_split.flash_forward, tree_split.flash_backward),
             "cudnn": (cudnn_forward, cudnn_backward)}[name]
@@ -87,7 +87,7 @@ def compiled_merge(*args):
     """The merge as torch.compile's kernel of its definition (bench_step's `bench_merge_compiled` switch)."""
     from bench_patches import merge_compiled
 
-    from grpo import tree_split
+    from grpo.kernels import tree_split
 
     with merge_compiled():
         return tree_split._merge_rows(*args)
@@ -95,8 +95,8 @@ def compiled_merge(*args):
 
 def pieces(plan, q, k, v, dout, kernel: str, reps: int) -> dict:
     """ms of each piece of one split forward + backward with `kernel`'s primitives."""
-    from grpo import tree_split
-    from grpo.split_merge import merge_rows_triton
+    from grpo.kernels import tree_split
+    from grpo.kernels.split_merge import merge_rows_triton
 
     fwd, bwd = primitives(kernel)
     scale = q.shape[-1] ** -0.5
@@ -186,7 +186,7 @@ def whole_paths(row, q, k, v, dout, kernel: str, reps: int) -> dict:
         return dk.to(k.dtype), dv.to(v.dtype)
 
     times["paths scatter-add"] = cuda_ms(scatter, reps)
-    from grpo.tree_split import SplitAttention, SplitPlan
+    from grpo.kernels.tree_split import SplitAttention, SplitPlan
 
     want = SplitAttention.apply(q, k, v, SplitPlan.of(row, flash=q.is_cuda), scale)
     times["paths err"] = error(out, want)
@@ -197,7 +197,7 @@ def whole(plan, q, k, v, dout, kernel: str, reps: int):
     """(ms, (out, dq, dk, dv)) of the split forward + backward through autograd with `kernel`'s primitives."""
     import torch
 
-    from grpo import tree_split
+    from grpo.kernels import tree_split
 
     saved = tree_split.SplitPlan.ops
     tree_split.SplitPlan.ops = lambda self: primitives(kernel)
@@ -224,7 +224,7 @@ def error(got, want) -> float:
 
 
 def bench(kind: str, row, args) -> list[dict]:
-    from grpo.tree_split import SplitPlan
+    from grpo.kernels.tree_split import SplitPlan
 
     row = row.to("cuda")
     plan = SplitPlan.of(row, flash=True)

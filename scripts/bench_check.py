@@ -17,10 +17,10 @@ def check_packed_vs_unpacked(model_dir: Path, info, overrides: dict, seed: int =
     a 300-token prompt, 60-token completions), next to the error an eager bf16 per-sample forward makes against the
     same fp32 reference: bf16 tolerance, measured."""
     import torch
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo.config import AsyncGRPOConfig
-    from grpo.gdn import transformers_torch_reference
+    from grpo.kernels.gdn import transformers_torch_reference
     from grpo.model import load_policy
     from grpo.policy import build_policy
     from grpo.trie import pack_samples

@@ -9,20 +9,20 @@
 A row is what the trainer forwards (scripts/bench_step.py's workload: groups of 8 rollouts, 1068-token prompts,
 256-token completions, up to --token-budget unique tokens): `tree` packs each group's prompt once (a two-level
 segment tree), `plain` packs every rollout alone. The timed unit is the recurrence of one GDN layer over the
-whole row, as grpo/gdn.py's tree forward runs it (per trie level: gather, kernel, scatter), with bf16 q/k/v/beta
+whole row, as grpo/kernels/gdn.py's tree forward runs it (per trie level: gather, kernel, scatter), with bf16 q/k/v/beta
 and fp32 g, as FSDP2 mixed precision hands them over. Head counts and dims are Qwen3.5-2B's public config
 (bench_step.SHAPES); the ms x layers column multiplies fwd+bwd by the model's GDN layer count.
 
-Variants: torch (grpo.gdn.chunk_gated_delta_rule, the default torch path: bf16 matmul operands, fp32 decays,
+Variants: torch (grpo.kernels.gdn.chunk_gated_delta_rule, the default torch path: bf16 matmul operands, fp32 decays,
 inverse and state), torch-fp32mm (the same with fp32 operands), torch-compiled (--compile: its state-free
 regions under torch.compile), sequential (the token-by-token reference kernel), transformers (transformers'
 torch_chunk_gated_delta_rule per padded level, the previous torch path; skipped when fla imports, because the
-name is then FLA's kernel), fla (FLA's varlen kernel; where grpo.gdn.fla_directions refuses its backward on
-this Triton/GPU, the backward runs with FLA's chunk_bwd_dqkwg step in torch, grpo/gdn_dqkwg.py). Errors: max |x - ref| / max |ref| of the output and of the gradients of q, k, v, g, beta, ref =
+name is then FLA's kernel), fla (FLA's varlen kernel; where grpo.kernels.gdn.fla_directions refuses its backward on
+this Triton/GPU, the backward runs with FLA's chunk_bwd_dqkwg step in torch, grpo/kernels/gdn_dqkwg.py). Errors: max |x - ref| / max |ref| of the output and of the gradients of q, k, v, g, beta, ref =
 the sequential kernel in fp32 on the same (bf16-valued) inputs.
 
 --conv also times the layer's causal conv over the row (C = 2 key dims + value dim channels, K_c = 4, bf16 in
-fp32 accumulation): grpo.gdn.tree_causal_conv1d eager (contiguous shifted multiply-adds, segment starts
+fp32 accumulation): grpo.kernels.gdn.tree_causal_conv1d eager (contiguous shifted multiply-adds, segment starts
 recomputed) and compiled (its formula under torch.compile, what train.py runs with compile_layers on) against its
 definition, K_c gathers through the path index table with autograd's scatter backward (the trainer's conv until
 2026-12-02).
@@ -50,7 +50,7 @@ TERMS = ["out", "dq", "dk", "dv", "dg", "dbeta"]
 
 def build_row(args, shared: bool):
     """One packed row of the bench_step workload, filled to the token budget."""
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo.trie import pack_samples
 
@@ -86,7 +86,7 @@ def variants(names: list[str], device):
     """name -> (recurrence(q, k, v, g, beta, plan) -> out, backward_ok, note), for the names that can run here."""
     import torch
 
-    from grpo import gdn
+    from grpo.kernels import gdn
 
     def padded(rule):
         def run(q, k, v, g, beta, plan):
@@ -125,9 +125,9 @@ def variants(names: list[str], device):
 
 def _fla_variant(name: str, device):
     """FLA's varlen kernels. Where FLA refuses its gated dqkwg step (Triton >= 3.4, < 3.7.1 on Hopper), `fla` runs
-    that step in torch (grpo/gdn_dqkwg.py) and `fla-own` runs FLA's own past its guard (grpo/gdn_choice.py's
+    that step in torch (grpo/kernels/gdn_dqkwg.py) and `fla-own` runs FLA's own past its guard (grpo/kernels/gdn_choice.py's
     `unguarded_fla_dqkwg`; the error columns say whether it is right at these head sizes). The step is put in at
-    each call: the variants share FLA's module. `fla-one-pass` is grpo/gdn_fla.py's one-pass tree rule (FLA's chunk
+    each call: the variants share FLA's module. `fla-one-pass` is grpo/kernels/gdn_fla.py's one-pass tree rule (FLA's chunk
     pipeline once per row, its state kernels per level; FLA's own dqkwg step past its guard where it is refused, as
     `fla-own`), q and k L2-normalised by torch before it (the trainer normalises them in the tree conv); `fla` and
     `fla-own` call FLA once per level with its in-kernel normalisation."""
@@ -135,26 +135,26 @@ def _fla_variant(name: str, device):
     import triton
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
-    import grpo.gdn as gdn
-    from grpo.gdn_choice import _set_dqkwg, flas_own_dqkwg, unguarded_fla_dqkwg
+    import grpo.kernels.gdn as gdn
+    from grpo.kernels.gdn_choice import _set_dqkwg, flas_own_dqkwg, unguarded_fla_dqkwg
 
     _, backward_ok, reason = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability(device))
     step, note = None, ""
     if not backward_ok:
         flas_own = flas_own_dqkwg()  # None: this FLA's step cannot be replaced
         if flas_own is not None:
-            from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+            from grpo.kernels.gdn_dqkwg import chunk_bwd_dqkwg
 
             step = chunk_bwd_dqkwg if name == "fla" else unguarded_fla_dqkwg(flas_own)
         backward_ok = step is not None
-        note = (f"{reason}; its chunk_bwd_dqkwg step " + ("in torch (grpo/gdn_dqkwg.py)" if name == "fla"
+        note = (f"{reason}; its chunk_bwd_dqkwg step " + ("in torch (grpo/kernels/gdn_dqkwg.py)" if name == "fla"
                                                             else "FLA's own, past its guard")
                 if backward_ok else f"backward refused: {reason}")
         print(f"{name}: {note}")
     rule = functools.partial(gdn.tree_varlen_gated_delta_rule, fla_rule)
     if name == "fla-one-pass":
         if gdn.fla_tree_kernels() is None:
-            raise SystemExit("fla-one-pass: this fla-core's state kernels are not the ones grpo/gdn_fla.py launches")
+            raise SystemExit("fla-one-pass: this fla-core's state kernels are not the ones grpo/kernels/gdn_fla.py launches")
         rule = _one_pass_rule
     if step is None:
         return rule, backward_ok, note
@@ -167,9 +167,9 @@ def _fla_variant(name: str, device):
 
 
 def _one_pass_rule(q, k, v, g, beta, plan):
-    """grpo/gdn_fla.py's one-pass rule with q and k L2-normalised first (FLA's formula), as the tree conv does."""
-    from grpo.gdn import tree_fla_gated_delta_rule
-    from grpo.gdn_kernel import l2norm
+    """grpo/kernels/gdn_fla.py's one-pass rule with q and k L2-normalised first (FLA's formula), as the tree conv does."""
+    from grpo.kernels.gdn import tree_fla_gated_delta_rule
+    from grpo.kernels.gdn_kernel import l2norm
 
     q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
     return tree_fla_gated_delta_rule(q, k, v, g, beta, plan)
@@ -218,8 +218,8 @@ def scale_error(got, want) -> float:
 def bench_row(row_kind: str, row, args, device, dims, n_layers: int) -> list[dict]:
     import torch
 
-    from grpo import gdn
-    from grpo.gdn import plan_tree_scan
+    from grpo.kernels import gdn
+    from grpo.kernels.gdn import plan_tree_scan
 
     row = row.to(device)
     plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, 4)
@@ -261,7 +261,7 @@ def bench_conv(row_kind: str, row, args, device, dims, n_layers: int) -> dict:
     """fwd+bwd ms of the tree conv and of its gather definition on one row (see the module docstring)."""
     import torch
 
-    from grpo.gdn import conv_fix_index, conv_index_table, tree_causal_conv1d
+    from grpo.kernels.gdn import conv_fix_index, conv_index_table, tree_causal_conv1d
 
     row = row.to(device)
     index = conv_index_table(row.token_pred, 4)
@@ -303,8 +303,8 @@ def bench_conv(row_kind: str, row, args, device, dims, n_layers: int) -> dict:
 
 @contextlib.contextmanager
 def compiled_conv():
-    """Inside: grpo.gdn.tree_causal_conv1d runs its torch.compile'd formula (compiled once, kept for reuse)."""
-    import grpo.gdn as gdn
+    """Inside: grpo.kernels.gdn.tree_causal_conv1d runs its torch.compile'd formula (compiled once, kept for reuse)."""
+    import grpo.kernels.gdn as gdn
 
     saved = dict(gdn._COMPILED)
     gdn.compile_tree_conv()
@@ -319,9 +319,9 @@ _REGIONS: dict = {}
 
 
 def compiled_regions(_, on: bool) -> None:
-    """Swap the torch kernel's state-free regions (grpo/gdn_kernel.py) between eager and torch.compile'd (compiled
+    """Swap the torch kernel's state-free regions (grpo/kernels/gdn_kernel.py) between eager and torch.compile'd (compiled
     once, kept for reuse)."""
-    import grpo.gdn_kernel as gdn
+    import grpo.kernels.gdn_kernel as gdn
 
     if not _REGIONS:
         _REGIONS["eager"] = (gdn._chunk_prepare, gdn._chunk_output)
@@ -332,7 +332,7 @@ def compiled_regions(_, on: bool) -> None:
 
 
 def padded_reference():
-    from grpo import gdn
+    from grpo.kernels import gdn
 
     def run(q, k, v, g, beta, plan):
         rep = v.shape[1] // q.shape[1]
@@ -370,7 +370,7 @@ def main() -> None:
                    choices=["torch", "torch-fp32mm", "torch-compiled", "sequential", "transformers", "fla", "fla-own",
                             "fla-one-pass"])
     p.add_argument("--compile", action="store_true", help="also time torch-compiled (runs last: it compiles "
-                                                          "grpo.gdn's regions for the rest of the process)")
+                                                          "grpo.kernels.gdn's regions for the rest of the process)")
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1068)

@@ -1,4 +1,4 @@
-"""Peak memory of the trained-token log-prob head, forward + backward: chunked (grpo/logprobs.py) vs naive
+"""Peak memory of the trained-token log-prob head, forward + backward: chunked (grpo/kernels/logprobs.py) vs naive
 (full [M, V] logits through plain autograd). Each variant runs in its own process (RSS high-water mark above the
 inputs), and the table is printed side by side:
 
@@ -38,7 +38,7 @@ def _rss_mib() -> float:
 def measure(args: Args, variant: str, m: int) -> dict:
     import torch
 
-    from grpo.logprobs import naive_token_logprobs, policy_token_logprobs
+    from grpo.kernels.logprobs import naive_token_logprobs, policy_token_logprobs
 
     torch.manual_seed(0)
     hidden = torch.randn(m, args.hidden).requires_grad_()

@@ -37,8 +37,8 @@ DeltaNet layer (`gdn_per_level`, the path before the nineteenth session's one-pa
 @contextlib.contextmanager
 def merge_compiled():
     """Bench-only: the split attention's in-place merge runs as torch.compile's kernel of its definition, not
-    grpo/split_merge.py's Triton kernel (grpo/tree_split.py `MERGE_KERNEL`)."""
-    import grpo.tree_split as tree_split
+    grpo/kernels/split_merge.py's Triton kernel (grpo/kernels/tree_split.py `MERGE_KERNEL`)."""
+    import grpo.kernels.tree_split as tree_split
 
     before, tree_split.MERGE_KERNEL = tree_split.MERGE_KERNEL, "compiled"
     try:
@@ -62,10 +62,10 @@ def split_grouped():
 
 @contextlib.contextmanager
 def gdn_per_level():
-    """Bench-only: the Gated DeltaNet kernels are chosen afresh inside without the one-pass rule, so grpo/gdn.py's
+    """Bench-only: the Gated DeltaNet kernels are chosen afresh inside without the one-pass rule, so grpo/kernels/gdn.py's
     tree forward calls FLA's public `chunk_gated_delta_rule` once per trie level (`tree_varlen_gated_delta_rule`);
     chosen afresh again after."""
-    import grpo.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_choice as gdn_choice
 
     settle = gdn_choice._settle_one_pass
     gdn_choice._KERNEL_CHOICE.clear()
@@ -98,7 +98,7 @@ def inductor_cpp_wrapper():
 @contextlib.contextmanager
 def split_attention_eager():
     """Bench-only: no split plan on the tree context, so `tree_attention_forward` takes its eager path."""
-    import grpo.tree_split as tree_split
+    import grpo.kernels.tree_split as tree_split
 
     plan_tensors = tree_split.plan_tensors
     tree_split.plan_tensors = lambda row: None

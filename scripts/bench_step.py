@@ -41,7 +41,6 @@ import dataclasses
 import gc
 import itertools
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench_check import check_packed_vs_unpacked  # noqa: E402
+from bench_groups import synthetic_groups  # noqa: E402
 from bench_patches import (BENCH_SWITCHES, gdn_per_level, inductor_cpp_wrapper, merge_compiled,  # noqa: E402
                            plain_packing, split_attention_eager, split_grouped, timed_packing)
 
@@ -108,33 +108,6 @@ def write_model(shape: str, out: Path) -> Path:
     return path
 
 
-def synthetic_groups(vocab: int, shared: bool, top_k: int, group_size=8, prompt_len=1068, completion_len=256,
-                     seed=0):
-    """Endless groups as the rollout worker delivers them (one advantage per rollout, the sampler's top-k ids and
-    log-probs at trained positions when the loss asks for them)."""
-    import numpy as np
-
-    from grpo.samples import TrainingSample
-
-    rng, np_rng, group_id = random.Random(seed), np.random.default_rng(seed), 0
-    length = prompt_len + completion_len
-    while True:
-        prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
-        for _ in range(group_size):
-            p = prompt if shared else [rng.randrange(10, vocab) for _ in range(prompt_len)]
-            ids = p + [rng.randrange(10, vocab) for _ in range(completion_len)]
-            top_ids = top_logp = None
-            if top_k:
-                top_ids = np.full((length, top_k), -1, dtype=np.int64)
-                top_ids[prompt_len:] = np_rng.integers(10, vocab, (completion_len, top_k))
-                top_logp = np.full((length, top_k), -np.inf, dtype=np.float32)
-                top_logp[prompt_len:] = np.sort(np_rng.uniform(-8, -0.1, (completion_len, top_k)))[:, ::-1]
-            yield TrainingSample(ids, [0] * prompt_len + [1] * completion_len, [-1.0] * length,
-                                 rng.uniform(-1, 1), group_id, 0, sampler_top_ids=top_ids,
-                                 sampler_top_logprobs=top_logp)
-        group_id += 1
-
-
 def next_plan(batcher, source):
     """Rank 0: feed samples to the real batcher until it closes a micro-batch (`plan_micro_batch`'s job)."""
     from grpo.step_plan import StepPlan
@@ -151,7 +124,7 @@ def head_ms(model, m: int, keep_logits_bytes: int, fused: bool, reps: int = 5) -
     """The chunked log-prob head alone (fwd + bwd) on M trained positions, bf16, with the policy's head options."""
     import torch
 
-    from grpo.logprobs import policy_token_logprobs
+    from grpo.kernels.logprobs import policy_token_logprobs
     from grpo.tree_attention import lm_head_weight
 
     if not torch.cuda.is_available() or m == 0:

@@ -3,7 +3,7 @@
 # the GPU tests and the real trainer step (scripts/bench_step.py, Qwen3.5-2B shape, tree and plain), first WITHOUT
 # fla-core, then WITH it (FLA_WHEELS: a folder of wheels with fla-core; FLA refuses its gated backward on Triton
 # >= 3.4, < 3.7.1 on Hopper, so there the step runs FLA's backward with its chunk_bwd_dqkwg step in torch,
-# grpo/gdn_dqkwg.py, if that passes its check against the torch kernel, else the torch backward; never a crash).
+# grpo/kernels/gdn_dqkwg.py, if that passes its check against the torch kernel, else the torch backward; never a crash).
 #   bash scripts/gpu_qwen35_call.sh        # logs and JSON under $OUT
 # Knobs (env): TEST_PATHS="tests/test_gpu_step.py" (pytest -m gpu paths)  FLA_GDN=1 (bench_gdn in the fla phase too)  TESTS=0 (skip pytest -m gpu)  CONV=1 (bench_gdn --conv)  FLA_WHEELS=.whlfla  PHASES="nofla fla"  STEPS=3  RATIOS="3.4 1"  GDN_VARIANTS="torch torch-compiled"
 set -uo pipefail

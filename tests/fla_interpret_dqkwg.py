@@ -1,10 +1,10 @@
 """Run by tests/test_gdn_dqkwg.py in a subprocess: FLA's Triton `chunk_bwd_dqkwg` kernel, executed by Triton's
-interpreter on CPU (TRITON_INTERPRET=1 is set before triton imports), against grpo/gdn_dqkwg.py's torch version on
+interpreter on CPU (TRITON_INTERPRET=1 is set before triton imports), against grpo/kernels/gdn_dqkwg.py's torch version on
 the same random inputs. Prints one JSON line: per case, per output, the largest error as a fraction of the
 output's largest magnitude.
 
 Then the whole of FLA's gated delta-rule forward + backward, with the torch step in place of FLA's
-(`install_torch_dqkwg`), goes through grpo/gdn_choice.py's `_check_backward` in fp32 (its error against the torch
+(`install_torch_dqkwg`), goes through grpo/kernels/gdn_choice.py's `_check_backward` in fp32 (its error against the torch
 kernel), and once more with a step whose dk is 1.5x too large (which the check must refuse). Last, FLA's own step
 where its guard refuses it, and past that guard (`unguarded_fla_dqkwg`).
 
@@ -29,7 +29,7 @@ import triton.runtime.autotuner as autotuner  # noqa: E402
 
 from fla.ops.common.chunk_o import chunk_bwd_dqkwg as fla_dqkwg  # noqa: E402
 
-from grpo.gdn_dqkwg import chunk_bwd_dqkwg  # noqa: E402
+from grpo.kernels.gdn_dqkwg import chunk_bwd_dqkwg  # noqa: E402
 
 
 def case(seed, batch, length, heads, v_heads, d_k, d_v, lens=None, dtype=torch.float32, state_v_first=False):
@@ -66,7 +66,7 @@ def whole_backward():
     import fla.ops.gated_delta_rule.chunk as fla_chunk
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    import grpo.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_choice as gdn_choice
 
     make_inputs = gdn_choice._probe_inputs
     gdn_choice._probe_inputs = lambda device, grad, *heads: [t.detach().float().requires_grad_(grad)
@@ -96,7 +96,7 @@ def unguarded_step():
     import fla.ops.gated_delta_rule.chunk as fla_chunk
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    import grpo.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_choice as gdn_choice
 
     cpu = torch.device("cpu")
     fla_chunk.chunk_bwd_dqkwg = fla_dqkwg  # FLA's own again (whole_backward left a broken step in)
@@ -118,7 +118,7 @@ def lightened_backward():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.utils import cache
 
-    import grpo.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_choice as gdn_choice
 
     lightened = gdn_choice.lighten_fla_launches()
     fla_chunk.chunk_bwd_dqkwg = chunk_bwd_dqkwg

@@ -1,11 +1,11 @@
-"""Run by tests/test_gdn_fla.py in a subprocess: grpo/gdn_fla.py's one-pass tree rule (`FlaTreeRule`: FLA's chunk
+"""Run by tests/test_gdn_fla.py in a subprocess: grpo/kernels/gdn_fla.py's one-pass tree rule (`FlaTreeRule`: FLA's chunk
 pipeline once over a trie row, its state kernels once per level) with FLA's Triton kernels executed by Triton's
 interpreter on CPU (tests/fla_interpret.py), on packed trie rows of several shapes, fp32 inputs. Prints one JSON line:
 per row, the largest error of the output and of the q, k, v, g, beta gradients, as a fraction of each value's
 largest magnitude, against (1) the token-by-token recurrence along each segment's path in fp64 (the reference) and
 (2) FLA's public kernel called once per level (`tree_varlen_gated_delta_rule`, the path it replaces); and whether
 the plan's chunk tables equal FLA's own (`prepare_chunk_indices` / `prepare_chunk_offsets`). Then a Qwen3.5 GDN
-layer through grpo/gdn.py's tree forward, one pass against per level (`layer_paths`), and grpo/gdn_choice.py's
+layer through grpo/kernels/gdn.py's tree forward, one pass against per level (`layer_paths`), and grpo/kernels/gdn_choice.py's
 run-time check of the rule (`settled`), and the Triton launches of one forward + backward each way (`launches`).
 
 argv: repo, the folder holding `fla` (fla-core installed with --target).
@@ -26,8 +26,8 @@ import torch  # noqa: E402
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets  # noqa: E402
 
-from grpo.gdn import plan_tree_scan, sequential_gated_delta_rule  # noqa: E402
-from grpo.gdn_fla import fla_tree_kernels, tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule  # noqa: E402
+from grpo.kernels.gdn import plan_tree_scan, sequential_gated_delta_rule  # noqa: E402
+from grpo.kernels.gdn_fla import fla_tree_kernels, tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule  # noqa: E402
 from grpo.samples import TrainingSample  # noqa: E402
 from grpo.trie import pack_samples  # noqa: E402
 
@@ -114,10 +114,10 @@ def check(samples, seed):
 
 
 def settled():
-    """grpo/gdn_choice.py's run-time decision on the one-pass rule (fp32 probe inputs): its check passing, a
+    """grpo/kernels/gdn_choice.py's run-time decision on the one-pass rule (fp32 probe inputs): its check passing, a
     one-pass rule 10 % off refused, and an fla-core whose state kernels take other arguments not used."""
-    import grpo.gdn_choice as gdn_choice
-    import grpo.gdn_fla as gdn_fla
+    import grpo.kernels.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_fla as gdn_fla
 
     make_inputs, cpu = gdn_choice._probe_inputs, torch.device("cpu")
     gdn_choice._probe_inputs = lambda device, grad, *heads: [t.detach().float().requires_grad_(grad)
@@ -138,12 +138,12 @@ def settled():
 
 
 def layer_paths():
-    """A Qwen3.5 GDN layer (small config, fp32, random weights) through grpo.gdn's tree forward on the two-group
-    row, FLA in one pass against FLA per level (grpo/gdn.py's two FLA branches; the per-level one is checked
+    """A Qwen3.5 GDN layer (small config, fp32, random weights) through grpo.kernels.gdn's tree forward on the two-group
+    row, FLA in one pass against FLA per level (grpo/kernels/gdn.py's two FLA branches; the per-level one is checked
     against the unmodified layer per sample in tests/test_gdn.py): the largest error of the output and of every
     parameter's and the input's gradient, as a fraction of each one's scale."""
-    import grpo.gdn as gdn
-    from grpo.gdn_choice import GdnKernels
+    import grpo.kernels.gdn as gdn
+    from grpo.kernels.gdn_choice import GdnKernels
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -192,7 +192,7 @@ def launches(samples):
     return {"levels": len(plan.levels), "one_pass": counts[0], "per_level": counts[1]}
 
 
-assert fla_tree_kernels() is not None, "this fla-core's internals are not the ones grpo/gdn_fla.py launches"
+assert fla_tree_kernels() is not None, "this fla-core's internals are not the ones grpo/kernels/gdn_fla.py launches"
 rows_checked = {name: check(samples, seed) for seed, (name, samples) in enumerate(rows().items())}
 print(json.dumps({"rows": rows_checked, "layer_one_pass_vs_per_level": layer_paths(), "settled": settled(),
                   "launches": {name: launches(samples) for name, samples in rows().items()}}))

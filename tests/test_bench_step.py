@@ -85,7 +85,7 @@ def test_cpp_wrapper_switch_compiles_under_it_and_restores_the_config():
     from test_tree_split import random_row_samples
     from torch._inductor.utils import run_and_get_code
 
-    from grpo.tree_split import plan_tensors, split_attention_in_graph
+    from grpo.kernels.tree_split import plan_tensors, split_attention_in_graph
     from grpo.trie import pack_samples
 
     row = pack_samples(random_row_samples(random.Random(11), "shared_prompt"))

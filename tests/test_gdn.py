@@ -1,4 +1,4 @@
-"""Tree-packed Gated DeltaNet (grpo/gdn.py) against the unpacked transformers layer, sample by sample, and the
+"""Tree-packed Gated DeltaNet (grpo/kernels/gdn.py) against the unpacked transformers layer, sample by sample, and the
 chunked torch kernel against the token-by-token reference.
 
 The layer reference is transformers' own `Qwen3_5GatedDeltaNet.forward` run on each sample alone (without `fla`
@@ -18,10 +18,10 @@ import random
 import pytest
 import torch
 
-from grpo.gdn import (CHUNK, GdnKernels, choose_gdn_kernels, chunk_gated_delta_rule, conv_fix_index,
-                      conv_index_table, fla_directions, plan_tree_scan, segment_levels, sequential_gated_delta_rule,
-                      tree_causal_conv1d, tree_chunk_gated_delta_rule, tree_gdn_forward, tree_varlen_gated_delta_rule,
-                      unit_lower_inverse)
+from grpo.kernels.gdn import (CHUNK, GdnKernels, choose_gdn_kernels, chunk_gated_delta_rule, conv_fix_index,
+                              conv_index_table, fla_directions, plan_tree_scan, segment_levels,
+                              sequential_gated_delta_rule, tree_causal_conv1d, tree_chunk_gated_delta_rule,
+                              tree_gdn_forward, tree_varlen_gated_delta_rule, unit_lower_inverse)
 from grpo.samples import TrainingSample
 from grpo.trie import pack_samples
 
@@ -128,7 +128,7 @@ def test_fla_path_normalises_query_and_key_in_the_conv(gdn_layer, kind, monkeypa
     (`qk_norm`) with `use_qk_l2norm_in_kernel=False`: FLA launches no normalisation kernels of its own, and the
     layer still equals the unmodified layer per sample (values and gradients). FLA stands in as the token-by-token
     reference behind FLA's varlen signature, q/k heads repeated to the value heads as FLA does inside."""
-    import grpo.gdn as gdn
+    import grpo.kernels.gdn as gdn
 
     flags = []
 
@@ -252,7 +252,7 @@ def qwen35_model(path):
 @pytest.fixture(scope="module")
 def qwen35_pair(tiny_models):
     """(unpatched, patched) copies of the tiny Qwen3.5 VLM with weights large enough for logprobs to vary."""
-    from grpo.gdn import patch_gdn_layers
+    from grpo.kernels.gdn import patch_gdn_layers
 
     model = qwen35_model(tiny_models["qwen3_5"])
     patched = copy.deepcopy(model)
@@ -333,7 +333,7 @@ def unpacked_logprobs(model) -> list[float]:
 def packed_logprobs_and_grads(model_path, kernel: str) -> dict:
     """Packed forward + backward of the tiny Qwen3.5 (shared-prompt trie) with `patch_gdn_layers(model, kernel)`:
     the row's log-probs and each language-model parameter's gradient norm (JSON-able; also run in a subprocess)."""
-    from grpo.gdn import patch_gdn_layers
+    from grpo.kernels.gdn import patch_gdn_layers
 
     model = qwen35_model(model_path)
     assert patch_gdn_layers(model, kernel) == 3
@@ -563,7 +563,7 @@ def test_compiled_tree_conv_equals_the_eager_one(seed, qk_norm, monkeypatch):
     gradients, reached through `tree_causal_conv1d` once compiled; rows of several lengths and fix-row counts
     (one with none) go through the same compiled function. With `qk_norm` (channels, head_dim) the leading channels
     come out L2-normalised per head, as transformers' `l2norm` would make them."""
-    import grpo.gdn as gdn
+    import grpo.kernels.gdn as gdn
 
     compiled_formula = torch.compile(gdn.tree_conv_formula, backend="aot_eager", dynamic=True)
     calls = []
@@ -605,7 +605,7 @@ def test_compiled_tree_conv_equals_the_eager_one(seed, qk_norm, monkeypatch):
 def test_compiled_gates_equal_the_eager_ones():
     """`gdn_gates` under torch.compile (aot_eager, dynamic shapes: two row lengths, one compiled function) == eager
     == transformers' own g and beta formula, fp64 values and gradients of a, b, A_log and dt_bias."""
-    import grpo.gdn as gdn
+    import grpo.kernels.gdn as gdn
 
     compiled = torch.compile(gdn.gdn_gates, backend="aot_eager", dynamic=True)
     gen = torch.Generator().manual_seed(0)
@@ -707,13 +707,13 @@ def test_kernel_choice_logged_once(gdn_layer, monkeypatch, caplog):
     """One INFO line at first use names the forward and the backward kernel; fla on CPU is refused by name."""
     import logging
 
-    import grpo.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_choice as gdn_choice
 
     monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
     row = pack_samples([_sample(t) for t in shared_prompt(random.Random(0))])
     plan = plan_tree_scan(row.token_pred, row.cu_seqlens_q, row.seg_parent, gdn_layer.conv_kernel_size)
     hidden = torch.randn(1, row.num_tokens, gdn_layer.hidden_size, requires_grad=True)
-    with caplog.at_level(logging.INFO, logger="grpo.gdn"):
+    with caplog.at_level(logging.INFO, logger="grpo.kernels.gdn"):
         for _ in range(2):
             tree_gdn_forward(gdn_layer, hidden, plan).sum().backward()
     lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet recurrence" in r.getMessage()]
@@ -743,7 +743,7 @@ except StubFLACalled:
 else:
     raise AssertionError("transformers did not bind its GDN kernel to the importable fla: the test proves nothing")
 import test_gdn
-from grpo.gdn import transformers_torch_reference
+from grpo.kernels.gdn import transformers_torch_reference
 model = test_gdn.qwen35_model(model_path)
 try:
     test_gdn.unpacked_logprobs(model)
@@ -837,11 +837,11 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
     before use; it puts FLA's own back when both fail, and logs the choice once."""
     import logging
 
-    import grpo.gdn as gdn
-    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+    import grpo.kernels.gdn as gdn
+    from grpo.kernels.gdn_dqkwg import chunk_bwd_dqkwg
 
     fake, chunk, chunk_o, flas_own = fake_fla_on_hopper(monkeypatch, triton_version, with_chunk, guard)
-    import grpo.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_choice as gdn_choice
 
     monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
     checks = []
@@ -859,7 +859,7 @@ def test_gdn_kernels_reads_this_machine(monkeypatch, caplog, triton_version, wit
 
     monkeypatch.setattr(gdn_choice, "_check_backward", check)
     monkeypatch.setattr(gdn_choice, "_forward_probe_passes", lambda rule, device: True)
-    with caplog.at_level(logging.INFO, logger="grpo.gdn"):
+    with caplog.at_level(logging.INFO, logger="grpo.kernels.gdn"):
         kernels, rule = gdn.gdn_kernels("auto", torch.device("cuda", 0), (4, 8, 128, 32))
         assert gdn.gdn_kernels("auto", torch.device("cuda", 0), (4, 8, 128, 32)) == (kernels, rule)
     step = "torch" if kernels.torch_dqkwg else "unguarded" if kernels.unguarded_dqkwg else ""
@@ -881,7 +881,7 @@ def test_a_long_fla_check_logs_progress(monkeypatch, caplog):
     import logging
     import time
 
-    import grpo.gdn_choice as gdn_choice
+    import grpo.kernels.gdn_choice as gdn_choice
 
     fake_fla_on_hopper(monkeypatch, "3.7.1", False, False)
     monkeypatch.setattr(gdn_choice, "_KERNEL_CHOICE", {})
@@ -908,10 +908,10 @@ def test_compile_layer_regions_compiles_the_gdn_kernel_regions(tiny_models, monk
     compiling them here takes minutes of CPU), and only on a GDN model; without it they stay eager."""
     import sys
 
-    import grpo.gdn_kernel as gdn
+    import grpo.kernels.gdn_kernel as gdn
     from grpo.model import compile_layer_regions, load_policy
 
-    import grpo.gdn as tree_gdn
+    import grpo.kernels.gdn as tree_gdn
 
     eager = gdn._chunk_prepare, gdn._chunk_output
     models = {kind: load_policy(str(tiny_models[kind]), "float32") for kind in ("qwen3", "qwen3_5")}

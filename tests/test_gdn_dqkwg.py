@@ -1,4 +1,4 @@
-"""grpo/gdn_dqkwg.py (FLA's gated `chunk_bwd_dqkwg` step in torch) and grpo/gdn_choice.py's check of an FLA
+"""grpo/kernels/gdn_dqkwg.py (FLA's gated `chunk_bwd_dqkwg` step in torch) and grpo/kernels/gdn_choice.py's check of an FLA
 backward.
 
 The step is compared with FLA's own Triton kernel run by Triton's interpreter on CPU (tests/fla_interpret_dqkwg.py;
@@ -34,7 +34,7 @@ def test_torch_dqkwg_equals_flas_kernel_in_the_triton_interpreter():
 
 
 def test_dqkwg_rejects_what_it_does_not_cover():
-    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+    from grpo.kernels.gdn_dqkwg import chunk_bwd_dqkwg
 
     x = torch.zeros(1, 4, 1, 8)
     with pytest.raises(NotImplementedError, match="gated delta rule"):
@@ -42,10 +42,10 @@ def test_dqkwg_rejects_what_it_does_not_cover():
 
 
 def _varlen_torch_rule(scale_dk: float = 1.0, tiled: bool = False):
-    """FLA's varlen signature over grpo.gdn_kernel's torch kernel, segment by segment, grouped q/k heads shared by
+    """FLA's varlen signature over grpo.kernels.gdn_kernel's torch kernel, segment by segment, grouped q/k heads shared by
     consecutive value heads (`tiled`: by every H_k-th, a wrong grouping); `scale_dk` != 1 scales the key gradient
     (a wrong backward with a correct forward)."""
-    from grpo.gdn_kernel import chunk_gated_delta_rule
+    from grpo.kernels.gdn_kernel import chunk_gated_delta_rule
 
     class ScaleGrad(torch.autograd.Function):
         @staticmethod
@@ -77,7 +77,7 @@ def _varlen_torch_rule(scale_dk: float = 1.0, tiled: bool = False):
 def test_backward_check_passes_a_correct_backward_and_fails_a_wrong_one():
     """At equal and at grouped head counts: a correct rule passes; a wrong key gradient, or q/k heads shared by the
     wrong value heads, fails."""
-    from grpo.gdn_choice import BACKWARD_CHECK_TOL, _check_backward
+    from grpo.kernels.gdn_choice import BACKWARD_CHECK_TOL, _check_backward
 
     cpu = torch.device("cpu")
     for heads in [(2, 2, 64, 64), (2, 4, 32, 16)]:  # grouped: 2 key heads of 4 value heads
@@ -108,7 +108,7 @@ def test_dqkwg_with_flas_chunk_indices_is_sync_free_and_equal():
     equals the step that derives its chunks from cu_seqlens; without them, FakeTensorMode catches that path."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+    from grpo.kernels.gdn_dqkwg import chunk_bwd_dqkwg
 
     inputs, chunk_indices = _dqkwg_inputs([70, 5, 128, 64])
     for got, want in zip(chunk_bwd_dqkwg(**inputs, chunk_indices=chunk_indices), chunk_bwd_dqkwg(**inputs)):
@@ -130,7 +130,7 @@ def test_dqkwg_matmuls_on_cuda_are_16_bit_gemms_with_fp32_results(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import grpo.gdn_dqkwg as dqkwg
+    import grpo.kernels.gdn_dqkwg as dqkwg
 
     class Matmuls(TorchDispatchMode):
         def __init__(self):

@@ -1,8 +1,8 @@
-"""grpo/gdn_fla.py: FLA's Gated DeltaNet kernels over a trie row in one pass (its state kernels per level).
+"""grpo/kernels/gdn_fla.py: FLA's Gated DeltaNet kernels over a trie row in one pass (its state kernels per level).
 
 FLA's Triton kernels run in Triton's interpreter on CPU (tests/fla_interpret_tree.py, in a subprocess: fla-core
 sits in a side folder, .venv/fla-cpu, that `scripts/install.sh cpu` fills). On a GPU the rule is checked against
-FLA's per-level calls at run time (grpo/gdn_choice.py `_check_one_pass`) and in tests/test_gpu_step.py.
+FLA's per-level calls at run time (grpo/kernels/gdn_choice.py `_check_one_pass`) and in tests/test_gpu_step.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_one_pass_rule_equals_the_reference_and_flas_per_level_calls():
     tree; nothing shared), with segments of 1 to 150 tokens and grouped heads: the one-pass rule's output and q, k, v,
     g, beta gradients equal the fp64 token-by-token recurrence along each path to fp32 rounding and FLA's public
     kernel called per level to 1e-6 (the same kernels on the same chunks); the plan's chunk tables are FLA's. A Qwen3.5
-    GDN layer through grpo/gdn.py's tree forward: one pass == per level (output, input and weight gradients). Then
+    GDN layer through grpo/kernels/gdn.py's tree forward: one pass == per level (output, input and weight gradients). Then
     the run-time check: passed, a rule 10 % off refused, an fla-core with other state-kernel arguments not used."""
     report = run_interpreted("fla_interpret_tree.py")
     rows = report["rows"]
@@ -46,7 +46,7 @@ def test_one_pass_rule_equals_the_reference_and_flas_per_level_calls():
 def test_chunk_tables_cover_every_segment_in_whole_chunks(lengths):
     """Segment bounds, (segment, chunk) pairs and chunk offsets as FLA's varlen kernels read them: chunk j of segment
     s covers tokens cu[s] + 64 j .. min(cu[s] + 64 (j + 1), cu[s + 1]), every token in exactly one chunk."""
-    from grpo.gdn_plan import _chunk_tables
+    from grpo.kernels.gdn_plan import _chunk_tables
 
     cu, chunk_indices, chunk_offsets = _chunk_tables(np.asarray(lengths, dtype=np.int64))
     assert cu.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
@@ -65,7 +65,7 @@ def test_plan_lists_levels_in_the_order_of_its_permutation():
 
     from test_gdn import _sample, multi_level
 
-    from grpo.gdn import plan_tree_scan
+    from grpo.kernels.gdn import plan_tree_scan
     from grpo.trie import pack_samples
 
     row = pack_samples([_sample(t) for t in multi_level(random.Random(3))])
@@ -80,7 +80,7 @@ def test_plan_lists_levels_in_the_order_of_its_permutation():
 
 def test_without_fla_there_is_no_one_pass_rule():
     """Where `fla` does not import (this CPU test environment), `fla_tree_kernels` is None: nothing reaches FLA."""
-    from grpo.gdn_fla import fla_tree_kernels
+    from grpo.kernels.gdn_fla import fla_tree_kernels
 
     try:
         import fla  # noqa: F401
@@ -92,14 +92,14 @@ def test_without_fla_there_is_no_one_pass_rule():
 
 @pytest.mark.parametrize("kind", ["shared_prompt", "multi_level", "nothing_shared"])
 def test_the_conv_runs_on_the_row_in_level_major_order(kind):
-    """With the one-pass rule a GDN layer runs on its row in level-major order (grpo/gdn.py `tree_gdn_forward`): the
+    """With the one-pass rule a GDN layer runs on its row in level-major order (grpo/kernels/gdn.py `tree_gdn_forward`): the
     tree conv there, with the plan's `ordered_*` tables, equals the conv of the row in its own order, permuted
     (fp64: the contiguous conv and the recomputed rows alike)."""
     import random
 
     from test_gdn import TRIES, _sample
 
-    from grpo.gdn import plan_tree_scan, tree_causal_conv1d
+    from grpo.kernels.gdn import plan_tree_scan, tree_causal_conv1d
     from grpo.trie import pack_samples
 
     row = pack_samples([_sample(t) for t in TRIES[kind](random.Random(4))])

@@ -1,4 +1,4 @@
-"""grpo/gdn_graph.py: a Gated DeltaNet mixer as one compiled graph, the recurrence a custom op inside.
+"""grpo/kernels/gdn_graph.py: a Gated DeltaNet mixer as one compiled graph, the recurrence a custom op inside.
 
 On CPU the op runs the token-by-token recurrence (FLA's kernels need CUDA), so these tests check the op's contract
 (fake and autograd registrations), the mixer formula against the layer's own tree forward, and the formula under
@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from grpo.gdn import plan_tree_scan, tree_gdn_forward
-from grpo.gdn_graph import gdn_tree_rule_op, mixer_formula, mixer_tables, mixer_weights
+from grpo.kernels.gdn import plan_tree_scan, tree_gdn_forward
+from grpo.kernels.gdn_graph import gdn_tree_rule_op, mixer_formula, mixer_tables, mixer_weights
 from grpo.trie import pack_samples
 from test_gdn import TRIES, _sample
 
@@ -42,11 +42,11 @@ def _rule_inputs(n: int, seed: int = 0):
 
 @pytest.mark.parametrize("kind", ROWS)
 def test_the_rule_op_equals_the_per_level_driver(kind):
-    """The op's output and gradients == grpo.gdn's per-level varlen driver over the token-by-token recurrence (fp64),
+    """The op's output and gradients == grpo.kernels.gdn's per-level varlen driver over the token-by-token recurrence (fp64),
     on the row in level-major order; and torch.library's checks of its fake and autograd registrations pass."""
     from test_gdn import _varlen_sequential_rule
 
-    from grpo.gdn import tree_varlen_gated_delta_rule
+    from grpo.kernels.gdn import tree_varlen_gated_delta_rule
 
     row, plan = _row_plan(kind)
     inputs = _rule_inputs(row.num_tokens)
@@ -96,8 +96,8 @@ def _mixer_vs_layer(layer, kind: str, mixer, seed: int = 0):
     """(mixer's [out, input grad, weight grads], the layer's own tree forward's) on one row, fp64. The layer takes
     its FLA path (q and k normalised in the conv, the recurrence per level) with the token-by-token recurrence
     standing in for FLA's kernel."""
-    import grpo.gdn as gdn
-    from grpo.gdn_choice import GdnKernels
+    import grpo.kernels.gdn as gdn
+    from grpo.kernels.gdn_choice import GdnKernels
 
     row, plan = _row_plan(kind, seed)
     hidden = torch.randn(row.num_tokens, layer.hidden_size, generator=torch.Generator().manual_seed(seed),
@@ -122,7 +122,7 @@ def _mixer_vs_layer(layer, kind: str, mixer, seed: int = 0):
 
 @pytest.mark.parametrize("kind", ROWS)
 def test_the_mixer_formula_equals_the_layers_tree_forward(gdn_layer, kind):
-    """`mixer_formula` (eager) == grpo.gdn's tree forward of the layer on rows in and out of level-major order, fp64:
+    """`mixer_formula` (eager) == grpo.kernels.gdn's tree forward of the layer on rows in and out of level-major order, fp64:
     output, input and every weight gradient."""
     got, want = _mixer_vs_layer(gdn_layer, kind, mixer_formula)
     errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)]
@@ -177,8 +177,8 @@ def test_layers_gdn_through_build_policy_equals_eager(tiny_models, checkpointing
     gradient checkpointing."""
     from torch._dynamo.utils import counters
 
-    import grpo.gdn as gdn
-    import grpo.gdn_graph as gdn_graph
+    import grpo.kernels.gdn as gdn
+    import grpo.kernels.gdn_graph as gdn_graph
     from test_train import random_samples
     from test_tree_attention import assert_same_results
 
@@ -204,11 +204,11 @@ def _eager_then_layers_gdn(tiny_models, monkeypatch, rows, **config) -> tuple:
 
     from torch._dynamo.utils import counters
 
-    import grpo.gdn as gdn
-    import grpo.gdn_graph as gdn_graph
+    import grpo.kernels.gdn as gdn
+    import grpo.kernels.gdn_graph as gdn_graph
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import DistInfo
-    from grpo.gdn_choice import GdnKernels
+    from grpo.kernels.gdn_choice import GdnKernels
     from grpo.policy import build_policy
     from test_tree_attention import step_results
 
@@ -250,8 +250,8 @@ def test_gdn_layers_compiled_whole_equal_eager(tiny_models, checkpointing, monke
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    import grpo.gdn as gdn
-    from grpo.gdn_plan import row_plan
+    import grpo.kernels.gdn as gdn
+    from grpo.kernels.gdn_plan import row_plan
     from grpo.model import whole_gdn_layers
     from test_train import random_samples
     from test_tree_attention import assert_same_results

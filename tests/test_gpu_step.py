@@ -33,7 +33,7 @@ def test_fast_step_trains(tiny_models):
     """Two steps on one batch through the real step: the loss moves and every piece reported itself on."""
     import dataclasses
 
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import decoder_layers, init_distributed
@@ -68,7 +68,7 @@ def test_a_step_waits_for_the_gpu_only_at_its_end(tiny_models):
     at all (its metrics, gradient norm and non-finite verdict are copied to pinned memory as they are queued and
     read after the step's own timer event, whose wait the mode does not count). A `.item()` first shows the mode
     records a sync. Steps 1-2 warm up (compilation)."""
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import init_distributed
@@ -129,7 +129,7 @@ def _gdn_level_inputs(seed=0, h_k=2, h_v=4, d=128):
 
     from test_gdn import _sample, multi_level
 
-    from grpo.gdn import plan_tree_scan
+    from grpo.kernels.gdn import plan_tree_scan
     from grpo.trie import pack_samples
 
     row = pack_samples([_sample(t) for t in multi_level(random.Random(7))]).to("cuda")
@@ -144,7 +144,7 @@ def _gdn_level_inputs(seed=0, h_k=2, h_v=4, d=128):
 
 
 def _torch_levels(rule, q, k, v, g, beta, plan):
-    from grpo.gdn import tree_chunk_gated_delta_rule
+    from grpo.kernels.gdn import tree_chunk_gated_delta_rule
 
     rep = v.shape[1] // q.shape[1]
     return tree_chunk_gated_delta_rule(rule, q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, plan)
@@ -156,10 +156,10 @@ def _scale_error(got, want) -> float:
 
 @pytest.mark.gpu
 def test_chunked_torch_kernel_on_gpu_matches_fp32_reference():
-    """grpo.gdn's chunked kernel on CUDA per trie level against the token-by-token fp32 reference: fp32 inputs to
+    """grpo.kernels.gdn's chunked kernel on CUDA per trie level against the token-by-token fp32 reference: fp32 inputs to
     fp32 rounding, bf16 inputs (the training path: bf16 matmul operands) to bf16 level; outputs and the gradients
     of q, k, v, g, beta."""
-    from grpo.gdn import chunk_gated_delta_rule, sequential_gated_delta_rule
+    from grpo.kernels.gdn import chunk_gated_delta_rule, sequential_gated_delta_rule
 
     plan, inputs, weights = _gdn_level_inputs()
     results = {}
@@ -177,22 +177,22 @@ def test_chunked_torch_kernel_on_gpu_matches_fp32_reference():
 
 @pytest.mark.gpu
 def test_fla_varlen_recurrence_matches_padded_torch_levels():
-    """The varlen FLA kernel per trie level, and FLA's kernels in one pass over the row (grpo/gdn_fla.py, where this
-    fla-core has the internals it launches) == grpo.gdn's chunked torch kernel on padded levels: outputs and the
+    """The varlen FLA kernel per trie level, and FLA's kernels in one pass over the row (grpo/kernels/gdn_fla.py, where this
+    fla-core has the internals it launches) == grpo.kernels.gdn's chunked torch kernel on padded levels: outputs and the
     gradients of q, k, v, g, beta (bf16 inputs; tolerance relative to the values' scale). Where `fla_directions`
     refuses FLA's backward on this Triton/GPU, FLA's backward runs with its `chunk_bwd_dqkwg` step in torch
-    (grpo/gdn_dqkwg.py); only if that step cannot be replaced is the forward alone compared."""
+    (grpo/kernels/gdn_dqkwg.py); only if that step cannot be replaced is the forward alone compared."""
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     import triton
 
-    from grpo.gdn import chunk_gated_delta_rule, fla_directions, tree_varlen_gated_delta_rule
-    from grpo.gdn_choice import install_torch_dqkwg
-    from grpo.gdn_fla import fla_tree_kernels, tree_fla_gated_delta_rule
-    from grpo.gdn_kernel import l2norm
+    from grpo.kernels.gdn import chunk_gated_delta_rule, fla_directions, tree_varlen_gated_delta_rule
+    from grpo.kernels.gdn_choice import install_torch_dqkwg
+    from grpo.kernels.gdn_fla import fla_tree_kernels, tree_fla_gated_delta_rule
+    from grpo.kernels.gdn_kernel import l2norm
 
     _, backward_ok, reason = fla_directions(triton.__version__, torch.cuda.get_device_capability())
     if not backward_ok and install_torch_dqkwg():
-        backward_ok, reason = True, f"{reason}; FLA's chunk_bwd_dqkwg step replaced by grpo/gdn_dqkwg.py"
+        backward_ok, reason = True, f"{reason}; FLA's chunk_bwd_dqkwg step replaced by grpo/kernels/gdn_dqkwg.py"
     print(f"FLA backward compared: {backward_ok} ({reason})")
     plan, inputs, weights = _gdn_level_inputs(d=64)
     one_pass = fla_tree_kernels() is not None
@@ -232,12 +232,12 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
 
     from test_gdn import _sample, shared_prompt
 
-    from grpo import gdn
+    from grpo.kernels import gdn
     from grpo.tree_attention import forward_hidden
     from grpo.trie import pack_samples
 
-    caplog.set_level(logging.INFO, logger="grpo.gdn")
-    import grpo.gdn_choice as gdn_choice
+    caplog.set_level(logging.INFO, logger="grpo.kernels.gdn")
+    import grpo.kernels.gdn_choice as gdn_choice
 
     gdn_choice._KERNEL_CHOICE.clear()
     kernels, fla_rule = gdn.gdn_kernels("auto", torch.device("cuda"))
@@ -249,7 +249,7 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
         forward_ok, backward_ok, _ = gdn.fla_directions(triton.__version__, torch.cuda.get_device_capability())
         assert kernels.backward == "torch" or backward_ok or kernels.torch_dqkwg or kernels.unguarded_dqkwg
         assert (kernels.forward == "fla") == (fla_rule is not None)
-        from grpo.gdn_fla import fla_tree_kernels
+        from grpo.kernels.gdn_fla import fla_tree_kernels
 
         assert kernels.one_pass == (kernels.forward == "fla" and fla_tree_kernels() is not None), kernels.describe()
     except ImportError:
@@ -270,7 +270,7 @@ def test_gdn_kernel_choice_on_this_gpu(tiny_models, caplog):
 @pytest.mark.gpu
 def test_compiled_gdn_mixer_matches_the_eager_layer(tiny_models):
     """compile_scope=layers_gdn: a Qwen3.5 GDN layer's mixer as one inductor graph with FLA's one-pass rule as a custom
-    op inside (grpo/gdn_graph.py) == the eager tree forward with the same rule, bf16, on a several-level row out of
+    op inside (grpo/kernels/gdn_graph.py) == the eager tree forward with the same rule, bf16, on a several-level row out of
     level-major order and an unshared one: output and the input's and weights' gradients within 3e-2 of scale."""
     pytest.importorskip("fla.ops.gated_delta_rule")
     import random
@@ -279,7 +279,7 @@ def test_compiled_gdn_mixer_matches_the_eager_layer(tiny_models):
     from transformers import AutoConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from grpo import gdn, gdn_graph
+    from grpo.kernels import gdn, gdn_graph
     from grpo.trie import pack_samples
 
     config = AutoConfig.from_pretrained(tiny_models["qwen3_5"]).text_config

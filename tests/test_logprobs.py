@@ -1,17 +1,17 @@
-"""grpo/logprobs.py against plain autograd references: values, gradients, sampling-mask renormalisation, padding."""
+"""grpo/kernels/logprobs.py against plain autograd references: values, gradients, sampling-mask renormalisation, padding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo.logprobs import naive_token_logprobs, policy_token_logprobs
+from grpo.kernels.logprobs import naive_token_logprobs, policy_token_logprobs
 
 M, H, V, K, C = 29, 12, 40, 5, 7
 
 
 def _eager_passes():
-    import grpo.logprobs as lp
+    import grpo.kernels.logprobs as lp
 
     return {"forward": lp.fused_forward_reference, "grad": lp.fused_grad_reference,
             "probs_into": lp.fused_probs_into_reference}
@@ -181,7 +181,7 @@ def test_speed_options_give_the_same_values_and_gradients(use_mask, keep_logits_
     """Kept forward logits (all rows, or the whole chunks that fit) and the fused full-vocabulary passes change no
     value and no gradient (fused runs its pure-function form eagerly here; the compiled form is the same function
     under torch.compile)."""
-    import grpo.logprobs as lp
+    import grpo.kernels.logprobs as lp
 
     monkeypatch.setattr(lp, "_COMPILED", _EAGER_PASSES)
     hidden, weight, targets, top_ids, mask = _case()
@@ -200,7 +200,7 @@ def test_one_block_head_survives_a_second_backward(monkeypatch):
     """All rows kept + fused = one block whose backward turns the kept logits into their gradient in place: a
     second backward through the same graph (retain_graph) recomputes them and gets the same gradients, and both
     equal the chunked path's."""
-    import grpo.logprobs as lp
+    import grpo.kernels.logprobs as lp
 
     monkeypatch.setattr(lp, "_COMPILED", _EAGER_PASSES)
     hidden, weight, targets, top_ids, _ = _case()
@@ -219,7 +219,7 @@ def test_one_block_head_survives_a_second_backward(monkeypatch):
 
 def test_fused_passes_compile_and_match_eager():
     """torch.compile of the fused passes (inductor; the C++ backend on CPU) against their eager form."""
-    import grpo.logprobs as lp
+    import grpo.kernels.logprobs as lp
 
     gen = torch.Generator().manual_seed(3)
     raw = torch.randn(37, 301, generator=gen)
@@ -243,7 +243,7 @@ def test_fused_passes_compile_and_match_eager():
 
 def test_kept_rows_are_whole_chunks_within_the_budget():
     """All rows when their logits fit, else the most whole chunks that do (so no chunk is half kept)."""
-    from grpo.logprobs import _kept_rows
+    from grpo.kernels.logprobs import _kept_rows
 
     assert _kept_rows(29, 10, 8, 290) == 29  # all fit
     assert _kept_rows(29, 10, 8, 289) == 24  # 3 whole chunks of 8
@@ -254,7 +254,7 @@ def test_kept_rows_are_whole_chunks_within_the_budget():
 def test_partially_kept_logits_are_read_by_the_backward(monkeypatch):
     """With 2 of 4 chunks kept, the backward recomputes the logits of the other two only: two fewer [c, V]
     matmuls than without keeping (counted on the hidden @ weight.T products)."""
-    import grpo.logprobs as lp
+    import grpo.kernels.logprobs as lp
 
     hidden, weight, targets, top_ids, _ = _case()
     counts = []

@@ -1,4 +1,4 @@
-"""The split attention's merge kernel (grpo/split_merge.py, Triton) == its definition (`merge_in_place`).
+"""The split attention's merge kernel (grpo/kernels/split_merge.py, Triton) == its definition (`merge_in_place`).
 
 On CPU the kernel runs in Triton's interpreter; the GPU test of tests/test_tree_split.py runs it compiled, inside
 the whole split against the fp64 reference.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.tree_split import merge_in_place
+from grpo.kernels.tree_split import merge_in_place
 
 pytest.importorskip("triton")
 
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 @pytest.fixture
 def interpreted(monkeypatch):
     """`merge_rows_triton` with its kernel built under Triton's interpreter (and rebuilt afresh after)."""
-    from grpo import split_merge
+    from grpo.kernels import split_merge
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     split_merge._kernel.cache_clear()

@@ -61,11 +61,11 @@ CASES = ([(kind, "score_centering") for kind in ("qwen3", "qwen3_5", "qwen3_moe"
 
 @pytest.mark.parametrize("kind, loss", CASES)
 def test_a_micro_batch_reads_nothing_from_the_device(tiny_models, monkeypatch, kind, loss):
-    from bench_step import synthetic_groups
+    from bench_groups import synthetic_groups
 
     from grpo import master_weights
     from grpo.config import AsyncGRPOConfig
-    from grpo.gdn import patch_gdn_layers
+    from grpo.kernels.gdn import patch_gdn_layers
     from grpo.lora import packed_forward_module
     from grpo.losses import get_loss, loss_function
     from grpo.model import load_policy

@@ -45,7 +45,7 @@ def _grads_after_one_micro_batch(rank: int, world: int, rows: list[list], traine
     import contextlib
 
     from grpo.distributed import init_distributed, shard_model
-    from grpo.gdn import patch_gdn_layers
+    from grpo.kernels.gdn import patch_gdn_layers
     from grpo.losses import get_loss
     from grpo.model import load_policy
     from grpo.policy import PackedPolicy

@@ -207,7 +207,7 @@ def _ref_on(model, samples):
 
 def test_qwen3_5_text_stack_single_sample(tiny_models):
     """Qwen3.5 VLM checkpoint: the text decoder is found, M-RoPE rows get the depth, full-attention layers go
-    through the tree function. One sample only: its GDN layers are tree-aware only with grpo/gdn.py."""
+    through the tree function. One sample only: its GDN layers are tree-aware only with grpo/kernels/gdn.py."""
     from transformers import AutoModelForImageTextToText
 
     def load():
@@ -231,7 +231,7 @@ def test_whole_layer_compile_equals_eager(tiny_models, kind, checkpointing, monk
     import dataclasses
     import importlib
 
-    import grpo.gdn as tree_gdn
+    import grpo.kernels.gdn as tree_gdn
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import DistInfo
     from grpo.model import whole_layers
@@ -262,7 +262,7 @@ def test_whole_layer_compile_equals_eager(tiny_models, kind, checkpointing, monk
 
 
 def test_flash_split_stays_inside_the_compiled_layer(tiny_models, monkeypatch):
-    """`flash_split` is a custom op with tensor arguments only (grpo/tree_split.py `split_attention_op`): a layer
+    """`flash_split` is a custom op with tensor arguments only (grpo/kernels/tree_split.py `split_attention_op`): a layer
     compiled whole calls it inside its graph — no graph break at attention — and rows of new sizes reuse the
     compiled graphs (the row's ints travel in a CPU tensor, not as guards). Log-probs and gradients equal the eager
     split's (the dense reference of FlashAttention's contract on CPU)."""
@@ -271,7 +271,7 @@ def test_flash_split_stays_inside_the_compiled_layer(tiny_models, monkeypatch):
 
     from torch._dynamo.utils import counters
 
-    import grpo.gdn as tree_gdn
+    import grpo.kernels.gdn as tree_gdn
     from grpo.config import AsyncGRPOConfig
     from grpo.distributed import DistInfo
     from grpo.policy import build_policy

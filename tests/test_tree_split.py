@@ -1,4 +1,4 @@
-"""The split tree attention (grpo/tree_split.py) == the ancestor-mask attention, values and gradients.
+"""The split tree attention (grpo/kernels/tree_split.py) == the ancestor-mask attention, values and gradients.
 
 On CPU the split runs the dense reference of FlashAttention's contract, so these tests check the split itself: the
 index plan (children grouped by parent, each parent's path once), the log-sum-exp merge, and the backward run with
@@ -14,7 +14,7 @@ import torch
 
 import grpo.trie as trie
 from grpo.tree_attention import _BACKEND_FN, TreeContext
-from grpo.tree_split import flash_backward, flash_forward, reference_backward, reference_forward
+from grpo.kernels.tree_split import flash_backward, flash_forward, reference_backward, reference_forward
 from grpo.trie import pack_samples
 from tests.test_tree_attention import random_row_samples
 
@@ -189,8 +189,8 @@ def test_flash_split_plans_on_gpu_match_the_reference(kind, merge, monkeypatch):
     scale."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import grpo.tree_split as tree_split
-    from grpo.tree_split import split_attention
+    import grpo.kernels.tree_split as tree_split
+    from grpo.kernels.tree_split import split_attention
 
     monkeypatch.setattr(tree_split, "MERGE_KERNEL", merge)
 
@@ -217,7 +217,7 @@ def test_flash_split_plans_on_gpu_match_the_reference(kind, merge, monkeypatch):
 def test_split_custom_op_equals_the_eager_split_and_passes_opcheck(kind):
     """The custom op a compiled layer calls (`split_attention_in_graph`) == the eager autograd Function, values
     and gradients; `torch.library.opcheck` checks its schema, fake (shape) functions and autograd registration."""
-    from grpo.tree_split import plan_tensors, split_attention, split_attention_in_graph
+    from grpo.kernels.tree_split import plan_tensors, split_attention, split_attention_in_graph
 
     rng = random.Random(11)
     row = pack_samples(random_row_samples(rng, kind))

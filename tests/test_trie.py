@@ -197,7 +197,7 @@ def test_to_device_packs_every_field_into_one_buffer_and_back():
 def test_plans_from_the_host_twin_equal_plans_from_the_row():
     """A GPU row keeps its CPU twin (`PackedRow.host`); the GDN plan built from it and moved in one copy equals the
     plan built where the row is, table for table."""
-    from grpo.gdn import plan_tree_scan
+    from grpo.kernels.gdn import plan_tree_scan
 
     for kind in ("shared_prompt", "multi_turn", "nothing_shared"):
         row = pack_samples(random_row_samples(random.Random(3), kind))

@@ -1,4 +1,4 @@
-"""The two entry points transformers and grpo.gdn import from FLA; both raise `StubFLACalled`."""
+"""The two entry points transformers and grpo.kernels.gdn import from FLA; both raise `StubFLACalled`."""
 
 
 class StubFLACalled(RuntimeError):

@@ -1,4 +1,4 @@
-"""FLA's Gated DeltaNet kernels over a prefix-trie row (grpo/gdn.py's tree forward calls them when FLA runs).
+"""FLA's Gated DeltaNet kernels over a prefix-trie row (grpo/kernels/gdn.py's tree forward calls them when FLA runs).
 
 In a trie row each segment starts from its parent segment's final state, so the recurrence has one sequential
 dependency per trie level. Two drivers, both over the row put in level-major order (`_Permute`, skipped when the
@@ -17,7 +17,7 @@ row is in that order already):
 - `tree_varlen_gated_delta_rule`: FLA's public `chunk_gated_delta_rule` once per level (or any kernel with its
   varlen signature): what runs where this fla-core's internals differ from the ones `fla_tree_kernels` knows.
 
-Both take query and key already L2-normalised (grpo/gdn.py normalises them in the tree conv) and the gates as the
+Both take query and key already L2-normalised (grpo/kernels/gdn.py normalises them in the tree conv) and the gates as the
 layer computes them: g = log decay (fp32), beta = sigmoid; scale = D_k^-0.5, as FLA's default.
 """
 
@@ -67,7 +67,7 @@ def fla_tree_kernels() -> SimpleNamespace | None:
 
 
 def _dqkwg():
-    """The dq/dk/dw/dg step FLA's gated backward calls now: FLA's own, or the one grpo/gdn_choice.py put in its place
+    """The dq/dk/dw/dg step FLA's gated backward calls now: FLA's own, or the one grpo/kernels/gdn_choice.py put in its place
     (past FLA's Triton guard, or in torch) after checking it on this GPU."""
     import fla.ops.gated_delta_rule.chunk as fla_chunk
 
@@ -87,7 +87,7 @@ class RulePlan:
 
     @classmethod
     def of(cls, plan) -> RulePlan:
-        """From a grpo.gdn.TreeScanPlan."""
+        """From a grpo.kernels.gdn.TreeScanPlan."""
         return cls(plan.seg_cu_seqlens, plan.chunk_indices, plan.chunk_offsets, plan.level_segments,
                    tuple(level.parent_slot for level in plan.levels))
 
@@ -230,7 +230,7 @@ class _Permute(torch.autograd.Function):
 
 
 def level_major(plan, x: torch.Tensor) -> torch.Tensor:
-    """x [N, ...] in the row's order -> in its level-major order (`plan`: a grpo.gdn.TreeScanPlan)."""
+    """x [N, ...] in the row's order -> in its level-major order (`plan`: a grpo.kernels.gdn.TreeScanPlan)."""
     return x if plan.level_major else _Permute.apply(x, plan.order, plan.unpermute)
 
 
@@ -243,7 +243,7 @@ def tree_fla_gated_delta_rule(query, key, value, g, beta, plan, fla=None, ordere
     """The recurrence over a trie row through `FlaTreeRule` (`fla`: `fla_tree_kernels()` unless given).
 
     query/key [N, H_k, D_k] (L2-normalised), value [N, H_v, D_v], g/beta [N, H_v] in the row's order, or in its
-    level-major order with `ordered` (grpo/gdn.py runs a whole layer in that order: two permutations per layer, not
+    level-major order with `ordered` (grpo/kernels/gdn.py runs a whole layer in that order: two permutations per layer, not
     six); returns [N, H_v, D_v] in the same order."""
     fla = fla if fla is not None else fla_tree_kernels()
     inputs = [query, key, value, g, beta] if ordered else [level_major(plan, t) for t in (query, key, value, g, beta)]

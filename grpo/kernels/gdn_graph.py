@@ -1,6 +1,6 @@
 """Gated DeltaNet layers on a trie row as compiled graphs (`compile_scope="layers_gdn"`).
 
-With FLA's one-pass rule (grpo/gdn_fla.py) the eager tree forward of a GDN layer (grpo/gdn.py `tree_gdn_forward`)
+With FLA's one-pass rule (grpo/kernels/gdn_fla.py) the eager tree forward of a GDN layer (grpo/kernels/gdn.py `tree_gdn_forward`)
 makes three compiled calls (the tree conv, the gates, the gated norm) and about fifteen eager ops around FLA (four
 input projections, the output projection, two permutations, splits), and the decoder layer three more compiled
 calls (two norms, the MLP): each a trip through Python on the host, where the Qwen3.5 step's forward waited on the
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grpo.gdn import gdn_gates, tree_conv_formula
-from grpo.gdn_fla import RulePlan, _Permute, fla_tree_kernels, rule_backward, rule_forward
+from grpo.kernels.gdn_formula import gdn_gates, tree_conv_formula
+from grpo.kernels.gdn_fla import RulePlan, _Permute, fla_tree_kernels, rule_backward, rule_forward
 
 
 def _rule_plan(seg_cu_seqlens, chunk_indices, chunk_offsets, parent_slots, level_segments) -> RulePlan:
@@ -33,9 +33,9 @@ def _rule_plan(seg_cu_seqlens, chunk_indices, chunk_offsets, parent_slots, level
 
 
 def _reference(q, k, v, g, beta, plan: RulePlan) -> torch.Tensor:
-    """o [N, H_v, D_v]: the token-by-token recurrence per segment (grpo.gdn_kernel `sequential_gated_delta_rule`,
+    """o [N, H_v, D_v]: the token-by-token recurrence per segment (grpo.kernels.gdn_kernel `sequential_gated_delta_rule`,
     fp32 or wider), each segment from its parent's final state."""
-    from grpo.gdn_kernel import sequential_gated_delta_rule
+    from grpo.kernels.gdn_kernel import sequential_gated_delta_rule
 
     group = v.shape[1] // q.shape[1]
     q, k = (t.repeat_interleave(group, dim=1) for t in (q, k))
@@ -61,7 +61,7 @@ def gdn_tree_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      level_segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o [N, H_v, D_v] in q's dtype, g_cum [N, H_v] fp32, a_inv [N, H_v, 64], starts [S - B_0, H_v, D_k, D_v]
     fp32) of the gated delta rule over a row in level-major order: q/k [N, H_k, D_k] (normalised), v [N, H_v, D_v],
-    g [N, H_v] fp32 log decay, beta [N, H_v]; the tables as grpo.gdn.TreeScanPlan holds them (level_segments on the
+    g [N, H_v] fp32 log decay, beta [N, H_v]; the tables as grpo.kernels.gdn.TreeScanPlan holds them (level_segments on the
     CPU). g_cum, a_inv and starts are what the backward reads (zeros off CUDA, where it recomputes)."""
     plan = _rule_plan(seg_cu_seqlens, chunk_indices, chunk_offsets, parent_slots, level_segments)
     if q.is_cuda:
@@ -140,7 +140,7 @@ def mixer_weights(layer) -> tuple | None:
 
 
 def mixer_tables(plan) -> tuple:
-    """The row's tables as `mixer_formula` takes them (from a grpo.gdn.TreeScanPlan on the row's device), their
+    """The row's tables as `mixer_formula` takes them (from a grpo.kernels.gdn.TreeScanPlan on the row's device), their
     lengths marked unbacked so that a new row does not recompile the graph. The conv's recomputed rows are never
     none: inductor's 2-D Triton kernels over an unbacked length divide by zero at launch when it is 0 (torch 2.11,
     seen on an H200 with a plain row)."""
@@ -184,7 +184,7 @@ _COMPILED: dict = {}
 
 
 def compile_gdn_mixer(**compile_kwargs) -> None:
-    """Run one-pass GDN mixers as the torch.compile'd `mixer_formula` (grpo/gdn.py `tree_gdn_forward`). Idempotent."""
+    """Run one-pass GDN mixers as the torch.compile'd `mixer_formula` (grpo/kernels/gdn.py `tree_gdn_forward`). Idempotent."""
     compile_kwargs.setdefault("dynamic", True)
     if "mixer" not in _COMPILED:
         _COMPILED["mixer"] = torch.compile(mixer_formula, **compile_kwargs)
@@ -204,7 +204,7 @@ def row_tables(tree_context, kernel_size: int) -> tuple:
     """(`mixer_tables`, permute) of the packed row of `tree_context` (grpo.tree_attention.TreeContext), built before
     the decoder runs so that decoder layers compiled whole only read tensors; the plan is cached on the context for
     the GDN layers that run eagerly."""
-    from grpo.gdn_plan import row_plan
+    from grpo.kernels.gdn_plan import row_plan
 
     key = ("gdn_plan", kernel_size)
     if key not in tree_context.cache:

@@ -1,8 +1,8 @@
-"""Which kernel runs the Gated DeltaNet recurrence where (grpo/gdn.py's tree path calls it): FLA's varlen Triton
+"""Which kernel runs the Gated DeltaNet recurrence where (grpo/kernels/gdn.py's tree path calls it): FLA's varlen Triton
 kernel or this project's torch kernel, forward and backward judged separately from the installed Triton, the
 GPU's compute capability and, for an FLA backward under `auto`, a small probe. `choose_gdn_kernels` is the rule
 with its facts as inputs (tested on CPU); `gdn_kernels` reads this machine's facts, decides once per device and
-logs the choice (logger `grpo.gdn`, where the tree path logs too). `transformers_torch_reference` is the other side
+logs the choice (logger `grpo.kernels.gdn`, where the tree path logs too). `transformers_torch_reference` is the other side
 of that choice: transformers' own torch GDN functions for unpacked reference forwards, whatever it bound to FLA.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from grpo.progress import heartbeat
 
-log = logging.getLogger("grpo.gdn")
+log = logging.getLogger("grpo.kernels.gdn")
 
 FLA_BAD_BACKWARD_TRITON = ("3.4.0", "3.7.1")
 """[low, high) Triton versions with which FLA's gated chunk backward is wrong on Hopper (FLA raises there)."""
@@ -100,13 +100,13 @@ def flas_own_dqkwg():
 
 
 def install_torch_dqkwg():
-    """Put grpo/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
+    """Put grpo/kernels/gdn_dqkwg.py's `chunk_bwd_dqkwg` in place of FLA's own in FLA's gated delta-rule backward (the one
     step FLA refuses on Hopper with Triton >= 3.4.0, < 3.7.1; every other FLA kernel stays). Process-wide: also
     transformers' Qwen3.5 layers, which call FLA's kernel when `fla` imports, get it. Returns FLA's own step
     (`flas_own_dqkwg`, to put back with `_set_dqkwg`), None when this FLA has no such step."""
     flas_own = flas_own_dqkwg()
     if flas_own is not None:
-        from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+        from grpo.kernels.gdn_dqkwg import chunk_bwd_dqkwg
 
         _set_dqkwg(chunk_bwd_dqkwg)
     return flas_own
@@ -141,14 +141,14 @@ class GdnKernels:
     `forward` serves forwards that need no gradient; a forward that needs gradients runs on the `backward`
     kernel (a backward differentiates its own forward), so (fla, torch) means: FLA under no_grad, torch in
     training. (torch, fla) never occurs. `torch_dqkwg`: FLA's backward runs with its `chunk_bwd_dqkwg` step
-    replaced by grpo/gdn_dqkwg.py's (`install_torch_dqkwg`)."""
+    replaced by grpo/kernels/gdn_dqkwg.py's (`install_torch_dqkwg`)."""
 
     forward: str
     backward: str
     reason: str
     torch_dqkwg: bool = False
     unguarded_dqkwg: bool = False  # FLA's own dqkwg step past its guard (`unguarded_fla_dqkwg`), checked here
-    one_pass: bool = False  # FLA runs a trie row in one pass (grpo/gdn_fla.py `FlaTreeRule`), checked here
+    one_pass: bool = False  # FLA runs a trie row in one pass (grpo/kernels/gdn_fla.py `FlaTreeRule`), checked here
 
     def for_forward(self, needs_grad: bool) -> str:
         return self.backward if needs_grad else self.forward
@@ -161,7 +161,7 @@ class GdnKernels:
             fwd = f"{names[self.forward]} (no-grad forwards), {names[self.backward]} (forwards that need gradients)"
         bwd = names[self.backward] + (" (autograd)" if self.backward == "torch" else "")
         if self.torch_dqkwg and self.backward == "fla":
-            bwd += " with its chunk_bwd_dqkwg step in torch (grpo/gdn_dqkwg.py)"
+            bwd += " with its chunk_bwd_dqkwg step in torch (grpo/kernels/gdn_dqkwg.py)"
         if self.unguarded_dqkwg and self.backward == "fla":
             bwd += " with its own chunk_bwd_dqkwg run past its Triton guard (checked on this GPU)"
         if "fla" in (self.forward, self.backward):
@@ -262,9 +262,9 @@ def _checked(kernels: GdnKernels, fla_rule, device: torch.device, heads: tuple[i
 def _settle_dqkwg(kernels: GdnKernels, fla_rule, device: torch.device, heads: tuple[int, ...]) -> GdnKernels:
     """FLA refuses its gated dqkwg step on this Triton/GPU: put in the first step with which FLA's whole backward
     passes `_check_backward` at `heads` — FLA's own past its guard (`unguarded_fla_dqkwg`; skipped with
-    GRPO_FLA_DQKWG=torch), then grpo/gdn_dqkwg.py's — or FLA's own back (it raises, never returns wrong) and the
+    GRPO_FLA_DQKWG=torch), then grpo/kernels/gdn_dqkwg.py's — or FLA's own back (it raises, never returns wrong) and the
     backward on torch."""
-    from grpo.gdn_dqkwg import chunk_bwd_dqkwg
+    from grpo.kernels.gdn_dqkwg import chunk_bwd_dqkwg
 
     flas_own = flas_own_dqkwg()  # each step below is put in before its check
 
@@ -299,14 +299,14 @@ def _backward_to_torch(kernels: GdnKernels, fla_rule, device: torch.device, fail
 
 
 def _settle_one_pass(kernels: GdnKernels, fla_rule, device: torch.device, heads: tuple[int, ...]) -> GdnKernels:
-    """`kernels` with `one_pass` on where grpo/gdn_fla.py's one-pass tree rule runs with this fla-core and equals
+    """`kernels` with `one_pass` on where grpo/kernels/gdn_fla.py's one-pass tree rule runs with this fla-core and equals
     FLA's public kernel called per trie level (itself checked against the torch kernel above) on a small tree row at
     `heads` (`_check_one_pass`); else unchanged, the reason added."""
-    from grpo.gdn_fla import fla_tree_kernels
+    from grpo.kernels.gdn_fla import fla_tree_kernels
 
     if fla_tree_kernels() is None:
         return replace(kernels, reason=f"{kernels.reason}; this fla-core's state kernels take other arguments "
-                                       "than grpo/gdn_fla.py launches them with")
+                                       "than grpo/kernels/gdn_fla.py launches them with")
     try:
         _check_one_pass(fla_rule, device, heads, backward=kernels.backward == "fla")
     except Exception as exc:  # noqa: BLE001 - any failure or mismatch: FLA's public kernel per level, as before
@@ -320,9 +320,9 @@ def _check_one_pass(fla_rule, device: torch.device, heads: tuple[int, int, int, 
     conv hands them over): the output and, with `backward`, the q, k, v, g, beta gradients within 1e-2 of each
     value's scale (both run FLA's kernels on the same chunks, so they agree to rounding); returns the largest error,
     raises RuntimeError above it."""
-    from grpo.gdn_fla import tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule
-    from grpo.gdn_kernel import l2norm
-    from grpo.gdn_plan import plan_tree_scan
+    from grpo.kernels.gdn_fla import tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule
+    from grpo.kernels.gdn_kernel import l2norm
+    from grpo.kernels.gdn_plan import plan_tree_scan
 
     token_pred = torch.arange(-1, 143)
     token_pred[[64, 104, 124]] = torch.tensor([63, -1, 123])
@@ -391,7 +391,7 @@ def _probe_kwargs(device: torch.device) -> dict:
 
 
 def _check_backward(rule, device: torch.device, heads: tuple[int, int, int, int] = PROBE_HEADS) -> float:
-    """FLA's varlen forward + backward vs grpo.gdn_kernel's torch kernel (fp32, segment by segment, the q/k heads
+    """FLA's varlen forward + backward vs grpo.kernels.gdn_kernel's torch kernel (fp32, segment by segment, the q/k heads
     repeated to the value heads as transformers does) on the same inputs, with initial states and without (a
     trie's root level has none: another of FLA's compiled variants): outputs, final states and every gradient (q,
     k, v, g, beta, initial state) within `BACKWARD_CHECK_TOL` of each value's scale; returns the largest such
@@ -401,7 +401,7 @@ def _check_backward(rule, device: torch.device, heads: tuple[int, int, int, int]
 
 
 def _check_once(rule, device: torch.device, heads: tuple[int, int, int, int], with_states: bool) -> float:
-    from grpo.gdn_kernel import chunk_gated_delta_rule
+    from grpo.kernels.gdn_kernel import chunk_gated_delta_rule
 
     inputs = list(_probe_inputs(device, True, heads))[:6 if with_states else 5]
     h0 = inputs[5] if with_states else None
@@ -446,8 +446,6 @@ def transformers_torch_reference(model):
     kernels autotune per length, and its gated backward is refused on some Triton/GPU pairs)."""
     import sys
 
-    from grpo.gdn import is_gdn_layer
-
     saved = []
     for module in {sys.modules[type(m).__module__] for m in model.modules() if is_gdn_layer(m)}:
         for name in TRANSFORMERS_GDN_FUNCTIONS:
@@ -488,3 +486,9 @@ def _accepting(fn):
         return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
     return call
+
+
+def is_gdn_layer(module) -> bool:
+    """True for Qwen3.5-style GDN modules (fused in_proj_qkv + separate z/b/a projections, one conv1d)."""
+    return type(module).__name__.endswith("GatedDeltaNet") and all(
+        hasattr(module, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d"))

@@ -4,7 +4,7 @@ The recurrence S_t = g_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T, o_t = S_t 
 `chunk_gated_delta_rule` works in 64-token chunks (FLA's chunk algorithm): everything inside a chunk is batched
 matmuls over all chunks at once; the only sequential work is one [D_k, D_k] x [D_k, D_v] matmul per chunk
 (`_ChunkScan`, with a hand-written reverse scan as its backward). `sequential_gated_delta_rule` is the reference it
-is tested against. Both take transformers' / FLA's padded signature; grpo/gdn.py runs them per trie level.
+is tested against. Both take transformers' / FLA's padded signature; grpo/kernels/gdn.py runs them per trie level.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The split attention's in-place merge as one Triton kernel (CUDA; docs/design.md §7.1).
 
-`grpo.tree_split.merge_in_place` folds part 2 (every token over its parent's path) into part 1 (every token over
+`grpo.kernels.tree_split.merge_in_place` folds part 2 (every token over its parent's path) into part 1 (every token over
 its own segment) by log-sum-exp. Compiled by inductor it took 0.49 ms per attention layer on an H100 at a
 15.6k-token Qwen3-1.7B row (`scripts/bench_attention.py`; its lse operands are [H, N] while the outputs are
 [N, H, D]), ~8x the time its ~190 MB take at the card's bandwidth: 12 ms of a 360 ms Qwen3-1.7B step. Here one

@@ -6,7 +6,7 @@ each 64-token chunk from the chunk's states h, their gradients dh, do, dv and th
 independent of the others (no recurrence), so it is a handful of batched matmuls over all chunks at once:
 `chunk_bwd_dqkwg` here computes what FLA's kernel computes, in the same precision steps (16-bit operands, fp32
 accumulation: on CUDA 16-bit GEMMs with fp32 output; the intra-chunk score gradient rounded to the input dtype
-before its two matmuls), with FLA's signature, so grpo/gdn_choice.py can put it in place of FLA's while every
+before its two matmuls), with FLA's signature, so grpo/kernels/gdn_choice.py can put it in place of FLA's while every
 other FLA kernel stays.
 
 Per chunk c (rows t, columns s within the chunk, last valid row L, gates g in log2 space, cumulative in the chunk):

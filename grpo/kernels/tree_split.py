@@ -170,7 +170,7 @@ def merge_in_place(out_a, lse_a, out_b, lse_b, has_parent):
 
 
 MERGE_KERNEL = "triton"
-"""How CUDA runs `merge_in_place`: "triton" (grpo/split_merge.py, one kernel; 0.10 ms per layer on an H100 at a
+"""How CUDA runs `merge_in_place`: "triton" (grpo/kernels/split_merge.py, one kernel; 0.10 ms per layer on an H100 at a
 15.6k-token Qwen3-1.7B row) or "compiled" (torch.compile of the definition, 0.49 ms there: its [H, N] lse operands
 against [N, H, D] outputs; `scripts/bench_attention.py`). A bench switch flips it."""
 _COMPILED_MERGE: list = []
@@ -181,7 +181,7 @@ def _merge_rows(out_a, lse_a, out_b, lse_b, has_parent):
     if out_a.device.type != "cuda":
         return merge_in_place(out_a, lse_a, out_b, lse_b, has_parent)
     if MERGE_KERNEL == "triton":
-        from grpo.split_merge import merge_rows_triton
+        from grpo.kernels.split_merge import merge_rows_triton
 
         return merge_rows_triton(out_a, lse_a, out_b, lse_b, has_parent)
     if not _COMPILED_MERGE:

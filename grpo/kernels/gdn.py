@@ -12,10 +12,10 @@ o_t = S_t q_t. In a packed trie a token's history is its path, not the packed po
   state, one batched call per level of the segment tree, so sequential launches = tree depth, not segment
   count. Autograd flows through the initial states, so a child's loss reaches its parent's chain.
 
-Kernels of the recurrence (`gdn_kernels` in grpo/gdn_choice.py picks them per device, forward and backward judged
+Kernels of the recurrence (`gdn_kernels` in grpo/kernels/gdn_choice.py picks them per device, forward and backward judged
 separately, and logs the choice once):
 
-- `chunk_gated_delta_rule`, this project's torch kernel (grpo/gdn_kernel.py): 64-token chunks in the WY/UT form of
+- `chunk_gated_delta_rule`, this project's torch kernel (grpo/kernels/gdn_kernel.py): 64-token chunks in the WY/UT form of
   the Gated DeltaNet paper (arXiv 2412.06464; FLA's chunk algorithm). Everything inside a chunk is batched matmuls
   over all chunks of all segments of a level at once; the only sequential work is one [D_k, D_k] x [D_k, D_v] matmul
   per chunk (`_ChunkScan`, which has a hand-written reverse scan as its backward; the rest is autograd). A level's
@@ -24,7 +24,7 @@ separately, and logs the choice once):
 - `sequential_gated_delta_rule`: the token-by-token recurrence, the reference the chunked kernel is tested against.
 - FLA's Triton kernels (`pip install fla-core`), no padding, in the directions `fla_directions` accepts on the
   running Triton/GPU (its gated chunk backward is wrong with Triton >= 3.4, < 3.7.1 on Hopper), through
-  grpo/gdn_fla.py: its chunk pipeline once over the row with only its state kernels per level (`FlaTreeRule`,
+  grpo/kernels/gdn_fla.py: its chunk pipeline once over the row with only its state kernels per level (`FlaTreeRule`,
   where this fla-core's internals are the known ones and it passed its check on the GPU), else FLA's public varlen
   `chunk_gated_delta_rule` once per level (a level's segments concatenated, one initial state per segment).
 
@@ -49,14 +49,17 @@ import types
 import torch
 import torch.nn.functional as F
 
-from grpo.gdn_choice import (FLA_BAD_BACKWARD_TRITON, TRANSFORMERS_GDN_FUNCTIONS,  # noqa: F401 (re-exported)
-                             GdnKernels, choose_gdn_kernels, fla_directions, gdn_kernels, transformers_torch_reference)
-from grpo.gdn_fla import (fla_tree_kernels, level_major, row_order,  # noqa: F401 (re-exported)
-                          tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule)
-from grpo.gdn_kernel import (CHUNK, chunk_gated_delta_rule, compile_chunk_regions,  # noqa: F401 (re-exported)
-                             sequential_gated_delta_rule, unit_lower_inverse)
-from grpo.gdn_plan import (LevelPlan, TreeScanPlan, conv_fix_index, conv_index_table,  # noqa: F401 (re-exported)
-                           plan_tree_scan, row_plan, segment_levels)
+from grpo.kernels.gdn_choice import (FLA_BAD_BACKWARD_TRITON, TRANSFORMERS_GDN_FUNCTIONS,  # noqa: F401 (re-exported)
+                                     GdnKernels, choose_gdn_kernels, fla_directions, gdn_kernels, is_gdn_layer,
+                                     transformers_torch_reference)
+from grpo.kernels.gdn_fla import (fla_tree_kernels, level_major, row_order,  # noqa: F401 (re-exported)
+                                  tree_fla_gated_delta_rule, tree_varlen_gated_delta_rule)
+from grpo.kernels.gdn_formula import gdn_gates, l2norm_leading, tree_conv_formula  # noqa: F401 (re-exported)
+from grpo.kernels.gdn_kernel import (CHUNK, chunk_gated_delta_rule, compile_chunk_regions,  # noqa: F401 (re-exported)
+                                     sequential_gated_delta_rule, unit_lower_inverse)
+from grpo.kernels.gdn_plan import (LevelPlan, TreeScanPlan, conv_fix_index,  # noqa: F401 (re-exported)
+                                   conv_index_table, plan_tree_scan, row_plan, segment_levels)
+from grpo.row_context import ACTIVE_ROW
 
 log = logging.getLogger(__name__)
 
@@ -130,39 +133,8 @@ def tree_causal_conv1d(mixed_qkv: torch.Tensor, weight: torch.Tensor, bias: torc
     return (out if qk_norm is None else l2norm_leading(out, *qk_norm)).to(mixed_qkv.dtype)
 
 
-def l2norm_leading(out: torch.Tensor, channels: int, head_dim: int) -> torch.Tensor:
-    """out [N, C] with its first `channels` columns L2-normalised in groups of `head_dim` (eps 1e-6, computed in fp32
-    or wider, returned in out's dtype): FLA's and transformers' query/key normalisation."""
-    n_tokens, acc = out.shape[0], torch.promote_types(out.dtype, torch.float32)
-    qk = out[:, :channels].to(acc).reshape(n_tokens, channels // head_dim, head_dim)
-    qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
-    return torch.cat([qk.reshape(n_tokens, channels).to(out.dtype), out[:, channels:]], dim=1)
-
-
 _FORMULA_ACTIVATIONS = (None, "silu", "swish")
 _COMPILED: dict = {}  # "conv": torch.compile'd `tree_conv_formula`, "gates": `gdn_gates`, once `compile_tree_conv` ran
-
-
-def tree_conv_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fix_index: torch.Tensor,
-                      fix_window: torch.Tensor, silu: bool, qk_norm: tuple[int, int] | None = None) -> torch.Tensor:
-    """`tree_causal_conv1d` as one differentiable formula over shifted row slices (the conv, the recomputed segment
-    starts, bias, SiLU, the query/key normalisation): what torch.compile fuses into a few kernels
-    (`compile_tree_conv`). Eager, it would keep K_c fp32 products for autograd; the eager path runs
-    `_ContiguousDepthwiseConv` (saves x and the weight only).
-    x [N, C] in the weight dtype, fix_window [M, K_c] = conv_index[fix_index] (N = a zero tap) -> [N, C]."""
-    n_tokens, kernel_size = x.shape[0], weight.shape[1]
-    acc = torch.promote_types(weight.dtype, torch.float32)
-    padded = F.pad(x, (0, 0, kernel_size - 1, 1))  # [K_c - 1 + N + 1, C]: zeros before row 0, one zero row after
-    out = x.to(acc) * weight[:, -1].to(acc)  # [N, C], tap i reads padded[n + i] = x[n - (K_c - 1 - i)]
-    for tap in range(kernel_size - 1):
-        out = out + padded[tap:tap + n_tokens].to(acc) * weight[:, tap].to(acc)
-    taps = padded[fix_window + (kernel_size - 1)]  # [M, K_c, C]; index N lands on the trailing zero row; M may be 0
-    out = out.index_put((fix_index,), (taps.to(acc) * weight.t().to(acc)).sum(dim=1))
-    out = out.to(weight.dtype)
-    if bias is not None:
-        out = out + bias
-    out = F.silu(out) if silu else out
-    return out if qk_norm is None else l2norm_leading(out, *qk_norm)
 
 
 def compile_tree_conv(**compile_kwargs) -> None:
@@ -173,12 +145,6 @@ def compile_tree_conv(**compile_kwargs) -> None:
     for name, fn in (("conv", tree_conv_formula), ("gates", gdn_gates)):
         if name not in _COMPILED:
             _COMPILED[name] = torch.compile(fn, **compile_kwargs)
-
-
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple:
-    """(g, beta) of a GDN layer from its in_proj_a / in_proj_b outputs [N, H_v]: the log decay
-    g = -exp(A_log) softplus(a + dt_bias) in fp32, and beta = sigmoid(b), as transformers' layer computes them."""
-    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
 # ------------------------------------------------------------------------------------------------ tree drivers
@@ -222,7 +188,7 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     fla = kernels.for_forward(needs_grad) == "fla"  # FLA: query/key normalised inside the conv, not by FLA per call
     ordered = fla and kernels.one_pass  # the layer runs in the row's level-major order, the recurrence's own
     if ordered:
-        from grpo.gdn_graph import graph_gdn_forward
+        from grpo.kernels.gdn_graph import graph_gdn_forward
 
         out = graph_gdn_forward(layer, x, plan)  # the mixer as one compiled graph, where compile_scope says so
         if out is not None:
@@ -253,12 +219,6 @@ def tree_gdn_forward(layer, hidden_states: torch.Tensor, plan: TreeScanPlan) -> 
     core_attn_out = layer.norm(core_attn_out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     out = layer.out_proj(core_attn_out.reshape(n_tokens, -1))  # [N, hidden]
     return (row_order(plan, out) if ordered else out)[None]  # [1, N, hidden]
-
-
-def is_gdn_layer(module) -> bool:
-    """True for Qwen3.5-style GDN modules (fused in_proj_qkv + separate z/b/a projections, one conv1d)."""
-    return type(module).__name__.endswith("GatedDeltaNet") and all(
-        hasattr(module, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d"))
 
 
 def patch_gdn_layers(model, kernel: str = "auto") -> int:
@@ -310,8 +270,6 @@ def _active_row_and_plan(layer, plan_cache: _RowPlanCache, tree_context):
     gradient checkpointing re-runs the layer during backward, after `ACTIVE_ROW` has been reset; its per-forward
     cache then holds the plan for every GDN layer.
     """
-    from grpo.tree_attention import ACTIVE_ROW
-
     if tree_context is None:
         row = ACTIVE_ROW.get(None)
         return (None, None) if row is None else (row, plan_cache.get(row, layer.conv_kernel_size))
@@ -325,7 +283,7 @@ def _active_row_and_plan(layer, plan_cache: _RowPlanCache, tree_context):
 def _tree_aware_forward(layer, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     tables = getattr(kwargs.get("tree_context"), "gdn_tables", None)
     if tables is not None and torch.compiler.is_compiling():  # inside a decoder layer compiled whole (layers_gdn)
-        from grpo.gdn_graph import in_graph_forward
+        from grpo.kernels.gdn_graph import in_graph_forward
 
         out = in_graph_forward(layer, hidden_states, tables)
         if out is not None:

@@ -1,7 +1,7 @@
-"""The index tables a packed trie row needs in every Gated DeltaNet layer (grpo/gdn.py), built once per row with
+"""The index tables a packed trie row needs in every Gated DeltaNet layer (grpo/kernels/gdn.py), built once per row with
 numpy on the host and moved to the device in one copy: the conv's path windows (`conv_index_table`, and the few rows
 a contiguous conv gets wrong, `conv_fix_index`), each segment-tree level's padded batch and varlen bounds, the
-row's level-major permutation, and FLA's segment bounds and chunk tables for the one-pass rule (grpo/gdn_fla.py).
+row's level-major permutation, and FLA's segment bounds and chunk tables for the one-pass rule (grpo/kernels/gdn_fla.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from grpo.gdn_kernel import CHUNK
+from grpo.kernels.gdn_kernel import CHUNK
 
 
 @dataclass(frozen=True)
