@@ -107,10 +107,10 @@ class TimedOutReward:
 async def timed_get_reward(env, pool, timeout_s: float | None, reward_errors: str, where: str):
     """`env.get_reward()` (sync ones in `pool`) bounded by `timeout_s`: its value; past the timeout a
     RewardTimeoutError (`raise`) or a `TimedOutReward` that drops the group at scoring (`drop`)."""
-    from grpo.tools import in_pool
-
+    call = env.get_reward() if is_async_callable(env.get_reward) else \
+        asyncio.get_running_loop().run_in_executor(pool, env.get_reward)
     try:
-        return await asyncio.wait_for(in_pool(pool, env.get_reward), timeout_s)
+        return await asyncio.wait_for(call, timeout_s)
     except asyncio.TimeoutError:
         error = RewardTimeoutError(f"environment {type(env).__name__}.get_reward()", timeout_s, where)
         if reward_errors == "drop":
