@@ -14,8 +14,6 @@ from grpo.config import AsyncGRPOConfig
 from grpo.domains import ConfigValueError, domains_of
 
 HUGE_INT, HUGE_FLOAT = 10**12, 1e12
-TOKEN_FIELDS = ("token_budget", "max_completion_length", "overlong_buffer_length")
-"""Fields counted in tokens: also swept one below the smallest sample they must hold."""
 
 
 def field_docstrings(cls: type) -> dict[str, str]:
@@ -51,11 +49,13 @@ NUMERIC = {name: kind for name in FIELDS if (kind := numeric_kind(HINTS[name]))}
 
 
 def below_smallest_sample(name: str) -> list:
-    """Token counts one below the smallest sample the field must hold: a sample is at least one prompt token and
-    one completion token, and a row must hold a one-token prompt with a completion of max_completion_length."""
-    if name not in TOKEN_FIELDS:
-        return []
-    return [1] + ([AsyncGRPOConfig().max_completion_length] if name == "token_budget" else [])
+    """Token counts one past what the field must leave room for: a sample is at least one prompt token and one
+    completion token, and a row must hold a one-token prompt with a completion of max_completion_length."""
+    longest_completion = AsyncGRPOConfig().max_completion_length
+    return {"token_budget": [1, longest_completion],  # a row must hold a one-token prompt and a full completion
+            "max_completion_length": [0],  # a completion has at least one token
+            "overlong_buffer_length": [longest_completion],  # a buffer must leave the completion a first token
+            }.get(name, [])
 
 
 def boundary_values(name: str, kind: type) -> list:
