@@ -19,7 +19,9 @@ from typing import Literal
 
 from grpo.advantages import (GroupStdOptions, batch_transform_cli_type, estimator_cli_union, estimator_options,
                              registered_batch_transforms)
-from grpo.domains import LITERAL, MAX_WAIT_S, Checked, CrossRule, Flag, Num, Text, Texts
+from grpo.domains import (LITERAL, MAX_WAIT_S, Checked, CrossRule, Flag, Num, Text, Texts, budget_fits_a_sample,
+                          buffer_inside_completion, chat_kwargs, estimator, hsdp, loss_options, schedule_has_an_end,
+                          server_urls, warmup_inside_steps)
 from grpo.losses import loss_cli_union, sampler_needs
 from grpo.score_centering import ScoreCenteringOptions
 
@@ -77,8 +79,8 @@ class AsyncGRPOConfig:
 
     # ---- PEFT / LoRA -----------------------------------------------------------------------------------------------
     lora_r: int = 0
-    """> 0: train a LoRA adapter of this rank instead of the full model; 0 = train the full model (Python API: `peft_config=LoraConfig(...)`
-    replaces the lora_* fields). Checkpoints then hold the adapter (PEFT format)."""
+    """> 0: train a LoRA adapter of this rank instead of the full model; 0 = train the full model (Python API:
+    `peft_config=LoraConfig(...)` replaces the lora_* fields). Checkpoints then hold the adapter (PEFT format)."""
     lora_alpha: float | None = None
     """LoRA scaling numerator (scale = alpha / r); None = 2 x lora_r."""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
@@ -357,36 +359,6 @@ class AsyncGRPOConfig:
 # ---- field domains (grpo/domains.py): every field's accepted values, checked by `check_config` before anything
 # starts. A value outside the ordinary range is accepted only as a `special` whose meaning the field's docstring
 # states. A new field needs a line here (tests/test_config_domains.py fails without one).
-def _urls(value, config) -> None:
-    config.vllm_server_urls  # raises ValueError naming the fix
-
-
-def _hsdp(value, config) -> None:
-    if value != "auto" and not (isinstance(value, str) and value.isdigit() and int(value) >= 1):
-        raise ValueError("pass 1 (plain FSDP2), auto (one replica per node) or a replica count N >= 1")
-
-
-def _loss(value, config) -> None:
-    from grpo.losses import loss_function
-
-    try:
-        loss_function(value)
-    except KeyError as exc:
-        raise ValueError(str(exc)) from exc
-
-
-def _estimator(value, config) -> None:
-    try:
-        estimator_options(value)
-    except KeyError as exc:
-        raise ValueError(str(exc)) from exc
-
-
-def _kwargs(value, config) -> None:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ValueError("pass a mapping of apply_chat_template keyword names to values")
-
-
 SECONDS = Num(lo=0, lo_open=True, hi=MAX_WAIT_S)
 COUNT = Num(lo=1, integer=True)
 TIME_OR_ZERO = Num(lo=0, hi=MAX_WAIT_S, special={0: "at once"})
@@ -403,7 +375,7 @@ FIELD_DOMAINS = {
     "dataset": Text(none="the default dataset, or the environment's"), "dataset_split": Text(),
     "reward_funcs": Texts(none="accuracy, or the environment's get_reward()"), "tools": Texts(),
     "environment_factory": Text(none="no environment"), "loop_cls": Text(none="AsyncRolloutLoop"),
-    "chat_template_kwargs": Checked(check=_kwargs, what="apply_chat_template keyword arguments"),
+    "chat_template_kwargs": Checked(check=chat_kwargs, what="apply_chat_template keyword arguments"),
     "eval_dataset": Text(none="no evaluation"), "eval_dataset_split": Text(),
     "eval_max_prompts": Num(lo=1, integer=True, none="all of them"),
     "eval_steps": Num(lo=1, integer=True, special={0: "only the final evaluation"}),
@@ -418,12 +390,12 @@ FIELD_DOMAINS = {
     "repetition_penalty": Num(lo=0, lo_open=True),
     "max_tool_calling_iterations": Num(lo=1, integer=True, none="until the model stops calling tools",
                                        special={0: "the first tool call ends the rollout"}),
-    "vllm_server_base_url": Checked(check=_urls, what="one or more distinct http://host:port URLs"),
+    "vllm_server_base_url": Checked(check=server_urls, what="one or more distinct http://host:port URLs"),
     "vllm_server_timeout": SECONDS, "sync_keeps_kv_cache": Flag(), "weight_sync_timeout": SECONDS,
     "server_rejoin_interval_s": SECONDS, "server_rejoin_wait_s": TIME_OR_ZERO,
     "weight_transfer": LITERAL, "ipc_bucket_mb": COUNT,
-    "loss": Checked(check=_loss, what="a registered loss's options"),
-    "advantage": Checked(check=_estimator, what="a registered estimator's options or name"),
+    "loss": Checked(check=loss_options, what="a registered loss's options"),
+    "advantage": Checked(check=estimator, what="a registered estimator's options or name"),
     "advantage_batch_transforms": Checked(what="registered transform names (checked in __post_init__)"),
     "drop_equal_reward_groups": Flag(),
     "overlong_buffer_length": Num(lo=1, integer=True, special={0: "off"}),
@@ -443,7 +415,7 @@ FIELD_DOMAINS = {
     "max_staleness": Num(lo=1, integer=True, special={0: "on-policy samples only"},
                          hint="a negative staleness bound marks every sample stale"),
     "weight_sync_steps": COUNT, "rollout_worker_timeout": SECONDS, "score_queue_maxsize": COUNT,
-    "hsdp_replicas": Checked(check=_hsdp, what="1, auto or a replica count"),
+    "hsdp_replicas": Checked(check=hsdp, what="1, auto or a replica count"),
     "progress_interval_s": SECONDS, "reward_timeout_s": SECONDS, "reward_errors": LITERAL,
     "max_dropped_groups_in_a_row": Num(lo=1, integer=True, special={0: "never stop for it"}),
     "max_nonfinite_steps_in_a_row": Num(lo=1, integer=True, special={0: "never stop for it"}),
@@ -457,40 +429,11 @@ FIELD_DOMAINS = {
 AsyncGRPOConfig.FIELD_DOMAINS = FIELD_DOMAINS  # a subclass adds its own fields' in a FIELD_DOMAINS class attribute
 
 
-def _budget_fits_a_sample(config: AsyncGRPOConfig) -> str | None:
-    if config.token_budget is not None and config.token_budget <= config.max_completion_length:
-        return (f"<= --max-completion-length {config.max_completion_length}: a sample (at least "
-                f"one prompt token plus its completion) would not fit a row and be dropped; pass --token-budget above "
-                f"max_completion_length (or leave it unset: the server's max_model_len)")
-    return None
-
-
-def _buffer_inside_completion(config: AsyncGRPOConfig) -> str | None:
-    if config.overlong_buffer_length >= config.max_completion_length:
-        return (f">= --max-completion-length {config.max_completion_length}: the "
-                f"penalty would start before the first token; pass a buffer shorter than max_completion_length")
-    return None
-
-
-def _warmup_inside_steps(config: AsyncGRPOConfig) -> str | None:
-    if 0 < config.max_steps < config.warmup_steps:
-        return (f"> --max-steps {config.max_steps}: the run would end before the learning rate "
-                f"reached its value; pass --warmup-steps <= max_steps")
-    return None
-
-
-def _schedule_has_an_end(config: AsyncGRPOConfig) -> str | None:
-    if config.lr_scheduler_type != "constant" and config.max_steps <= 0:
-        return (f"decays over max_steps, which is unknown when the run stops by epochs; pass --max-steps N or "
-                f"--lr-scheduler-type constant")
-    return None
-
-
 AsyncGRPOConfig.CROSS_RULES = (
-    CrossRule(("lr_scheduler_type", "max_steps"), _schedule_has_an_end),
-    CrossRule(("token_budget", "max_completion_length"), _budget_fits_a_sample),
-    CrossRule(("overlong_buffer_length", "max_completion_length"), _buffer_inside_completion),
-    CrossRule(("warmup_steps", "max_steps"), _warmup_inside_steps),
+    CrossRule(("lr_scheduler_type", "max_steps"), schedule_has_an_end),
+    CrossRule(("token_budget", "max_completion_length"), budget_fits_a_sample),
+    CrossRule(("overlong_buffer_length", "max_completion_length"), buffer_inside_completion),
+    CrossRule(("warmup_steps", "max_steps"), warmup_inside_steps),
 )
 
 def config_class(argv: list[str]) -> tuple[type, list[str]]:

@@ -214,8 +214,8 @@ def check_config(config: Any, base: type) -> list[str]:
     for f in dataclasses.fields(config):
         domain = table.get(f.name)
         if domain is None and f.name in base_fields:
-            problems.append((f.name, getattr(config, f.name), f"has no declared domain; add it to {base.__name__}.FIELD_DOMAINS "
-                                     f"(grpo/config.py, domain kinds in grpo/domains.py)"))
+            problems.append((f.name, getattr(config, f.name), f"has no declared domain; add it to "
+                             f"{base.__name__}.FIELD_DOMAINS (grpo/config.py, domain kinds in grpo/domains.py)"))
             continue
         if domain is None:
             unchecked.append(f.name)
@@ -230,3 +230,65 @@ def check_config(config: Any, base: type) -> list[str]:
     if problems:
         raise ConfigValueError(problems)
     return unchecked
+
+
+# ---- AsyncGRPOConfig's compound fields and cross-field rules (used by its FIELD_DOMAINS / CROSS_RULES) -------------
+def server_urls(value, config) -> None:
+    config.vllm_server_urls  # raises ValueError naming the fix
+
+
+def hsdp(value, config) -> None:
+    if value != "auto" and not (isinstance(value, str) and value.isdigit() and int(value) >= 1):
+        raise ValueError("pass 1 (plain FSDP2), auto (one replica per node) or a replica count N >= 1")
+
+
+def loss_options(value, config) -> None:
+    from grpo.losses import loss_function
+
+    try:
+        loss_function(value)
+    except KeyError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def estimator(value, config) -> None:
+    from grpo.advantages import estimator_options
+
+    try:
+        estimator_options(value)
+    except KeyError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def chat_kwargs(value, config) -> None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError("pass a mapping of apply_chat_template keyword names to values")
+
+
+def budget_fits_a_sample(config) -> str | None:
+    if config.token_budget is not None and config.token_budget <= config.max_completion_length:
+        return (f"<= --max-completion-length {config.max_completion_length}: a sample (at least "
+                f"one prompt token plus its completion) would not fit a row and be dropped; pass --token-budget above "
+                f"max_completion_length (or leave it unset: the server's max_model_len)")
+    return None
+
+
+def buffer_inside_completion(config) -> str | None:
+    if config.overlong_buffer_length >= config.max_completion_length:
+        return (f">= --max-completion-length {config.max_completion_length}: the "
+                f"penalty would start before the first token; pass a buffer shorter than max_completion_length")
+    return None
+
+
+def warmup_inside_steps(config) -> str | None:
+    if 0 < config.max_steps < config.warmup_steps:
+        return (f"> --max-steps {config.max_steps}: the run would end before the learning rate "
+                f"reached its value; pass --warmup-steps <= max_steps")
+    return None
+
+
+def schedule_has_an_end(config) -> str | None:
+    if config.lr_scheduler_type != "constant" and config.max_steps <= 0:
+        return (f"decays over max_steps, which is unknown when the run stops by epochs; pass --max-steps N or "
+                f"--lr-scheduler-type constant")
+    return None
