@@ -4,6 +4,7 @@ kernel: time and error against torch's FlashAttention.
     python scripts/bench_attention.py                          # Qwen3-1.7B heads: tree (ratio 3.4) and plain rows
     python scripts/bench_attention.py --heads 8 2 256          # Qwen3.5-2B's full-attention layers
     python scripts/bench_attention.py --kernels flash cudnn    # torch's cuDNN attention beside FlashAttention
+    python scripts/bench_attention.py --kernels flash fa4      # FlashAttention-4 (PyPI flash-attn-4) beside FA2
     python scripts/bench_attention.py --rows tree --part1-by-depth   # part 1 as two calls: roots, then the rest
 
 Rows are scripts/bench_step.py's workload (groups of 8 rollouts, 1068-token prompts, 256-token completions, up to
@@ -49,11 +50,52 @@ def cudnn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
                                                     max_k, 0.0, causal, scale=scale)
 
 
+def fa4_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """FlashAttention-4's varlen forward (CuTe DSL kernels, compiled at first use per shape): (out, lse [H, T_q] fp32,
+    None) like `tree_split.flash_forward`. Its internal entry is called because the public one hides the lse from
+    autograd's backward, which the split's merge needs."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse, *_ = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                   max_seqlen_k=max_k, softmax_scale=scale, causal=causal, return_lse=True)
+    if tuple(lse.shape) == (q.shape[0], q.shape[1]):
+        lse = lse.t()
+    return out, lse.float().contiguous(), None
+
+
+def fa4_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q,
+                                 cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)[:3]
+    return dq, dk, dv
+
+
 def primitives(name: str):
     from grpo.kernels import tree_split
 
     return {"flash": (tree_split.flash_forward, tree_split.flash_backward),
-            "cudnn": (cudnn_forward, cudnn_backward)}[name]
+            "cudnn": (cudnn_forward, cudnn_backward),
+            "fa4": (fa4_forward, fa4_backward)}[name]
+
+
+def first_call_seconds(plan, q, k, v, dout, kernel: str) -> dict:
+    """Wall seconds of the first and second part-1 forward + backward with `kernel` (a kernel compiled at run time,
+    like FA4's, pays its compile in the first; the second shows whether it was cached)."""
+    import time
+
+    import torch
+
+    fwd, bwd = primitives(kernel)
+    times = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out, lse, aux = fwd(q, k, v, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, q.shape[-1] ** -0.5)
+        bwd(dout, q, k, v, out, lse, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, True, q.shape[-1] ** -0.5, aux)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {"first call s": times[0], "second call s": times[1]}
 
 
 def cuda_ms(fn, reps: int) -> float:
@@ -233,6 +275,7 @@ def bench(kind: str, row, args) -> list[dict]:
     for kernel in args.kernels:
         res = {"row": kind, "kernel": kernel, "tokens": row.num_tokens, "in_place": plan.in_place}
         try:
+            res.update(first_call_seconds(plan, q, k, v, dout, kernel))
             res.update(pieces(plan, q, k, v, dout, kernel, args.reps))
             if args.part1_by_depth and plan.has_ancestors:
                 res.update(part1_by_depth(row, q, k, v, dout, kernel, args.reps))
@@ -251,7 +294,7 @@ def bench(kind: str, row, args) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, nargs=3, default=[16, 8, 128], metavar=("H", "HKV", "D"))
-    p.add_argument("--kernels", nargs="+", default=["flash"], choices=["flash", "cudnn"])
+    p.add_argument("--kernels", nargs="+", default=["flash"], choices=["flash", "cudnn", "fa4"])
     p.add_argument("--rows", nargs="+", default=["tree", "plain"], choices=["tree", "plain"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--part1-by-depth", action="store_true",
