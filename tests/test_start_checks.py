@@ -46,10 +46,10 @@ def test_a_non_vllm_http_server_is_identified_and_refused(plain_http_server):
 
 
 @pytest.mark.vllm
-def test_the_openai_style_url_reaches_the_real_server(vllm_server):
+def test_the_openai_style_url_reaches_the_real_server(vllm_server, tiny_qwen3):
     from grpo.server_facts import server_facts
 
-    facts = server_facts(AsyncGRPOConfig(model=vllm_server.model, vllm_server_base_url=vllm_server.base_url + "/v1"))
+    facts = server_facts(AsyncGRPOConfig(model=str(tiny_qwen3), vllm_server_base_url=vllm_server.base_url + "/v1"))
     assert facts["max_model_len"] > 0
 
 
