@@ -93,8 +93,10 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     from grpo.inputs import check_run_config, check_tokenizer, resolve_eval_dataset, resolve_inputs
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
+    from grpo.model_check import check_logprob_path
     from grpo.policy import build_policy
     from grpo.server_facts import build_weight_sync, server_facts
+    from grpo.sync_probe import SyncProbe
     from grpo.trackers import build_trackers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -112,9 +114,11 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     facts = broadcast_object(server_facts(config) if info.is_main else None, info)
     budget = config.token_budget or facts["max_model_len"]
     model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget, peft_config)
+    check_logprob_path(model, policy)  # trainer's log-probs == the model's own forward, or stop (grpo/model_check.py)
     state = ckpt.start_state(config.resume_from_checkpoint, config.output_dir, model, optimizer, scheduler,
                              log_on_this_rank=info.is_main)
     sync, adapter = build_weight_sync(config, facts, model)
+    sync.probe = SyncProbe.from_config(config)  # server == trainer after syncs (grpo/sync_probe.py)
     version = state["model_version"] + 1
     sync.sync(model, version)  # cold sync
     logger = MetricsLogger(config.output_dir, enabled=info.is_main,

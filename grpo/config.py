@@ -17,11 +17,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from grpo.advantages import (GroupStdOptions, batch_transform_cli_type, estimator_cli_union, estimator_options,
-                             registered_batch_transforms)
+from grpo.advantages import (batch_transform_cli_type, estimator_cli_union, estimator_options, transform_options,
+                             transform_options_class)
 from grpo.domains import (LITERAL, MAX_WAIT_S, Checked, CrossRule, Flag, Num, Text, Texts, budget_fits_a_sample,
                           buffer_inside_completion, chat_kwargs, estimator, hsdp, loss_options, schedule_has_an_end,
                           server_urls, warmup_inside_steps)
+from grpo.group_estimators import GroupStdOptions
 from grpo.losses import loss_cli_union, sampler_needs
 from grpo.score_centering import ScoreCenteringOptions
 
@@ -32,6 +33,8 @@ AdvantageOptions = estimator_cli_union()
 """Union of the registered estimators' options classes, one tyro subcommand `advantage:NAME` per estimator."""
 BatchTransformNames = batch_transform_cli_type()
 """The registered advantage batch transforms' names (described in --help)."""
+TransformOptions = transform_options_class(__name__)
+"""One field per registered batch transform holding its options: `--transform.NAME.OPTION VALUE` on the CLI."""
 
 
 @dataclass
@@ -189,6 +192,9 @@ class AsyncGRPOConfig:
     advantage_batch_transforms: BatchTransformNames = ()
     """Per-step advantage transforms applied in order to every sample of a step (registered names; --help lists
     them; docs/losses.md)."""
+    transform: TransformOptions = field(default_factory=TransformOptions)
+    """Options of the batch transforms, by name: `--transform.NAME.OPTION VALUE` (used when NAME is selected in
+    --advantage-batch-transforms). Python: an options instance in advantage_batch_transforms stands for its name."""
     drop_equal_reward_groups: bool = True
     """Drop groups whose scorable rewards are all equal (zero advantage; the spec's rule, DAPO's dynamic sampling).
     False trains them too: they add no gradient but count in the token/sequence normalisers."""
@@ -238,6 +244,14 @@ class AsyncGRPOConfig:
     0 = on-policy only: a sample must come from the weights being trained."""
     weight_sync_steps: int = 1
     """Optimizer steps between weight syncs to the server (>= 1)."""
+    sync_check_steps: int = 10
+    """Sync probe (grpo/sync_probe.py): after the first weight sync and every this many syncs, each server's
+    log-probs on a fixed 16-token probe are compared with the trainer's own forward; a gap above the dtype floor
+    stops the run naming the transfer path and the tensors most likely at fault (a server silently left on old
+    weights, docs/failures.md). 0 = never. Costs one short forward and one request per server."""
+    sync_check_tolerance: float | None = None
+    """Largest |log-prob difference| the sync probe accepts; None = by dtype (float32 5e-3, float16 0.1,
+    bfloat16 0.3: `FLOORS` in grpo/sync_probe.py)."""
     rollout_worker_timeout: float = 300.0
     """Seconds without a worker heartbeat after which the trainer declares it hung."""
     score_queue_maxsize: int = 16
@@ -313,11 +327,7 @@ class AsyncGRPOConfig:
         """Check (never change) the plug-in names: a typo from Python fails here, not in the rollout worker after
         the model loaded. `advantage` may stay a registered name; readers resolve it with estimator_options."""
         estimator_options(self.advantage)
-        names = self.advantage_batch_transforms
-        unknown = set((names,) if isinstance(names, str) else names) - set(registered_batch_transforms())
-        if unknown:
-            raise ValueError(f"unknown advantage batch transform(s) {sorted(unknown)}: use "
-                             f"{sorted(registered_batch_transforms())} or register yours (docs/losses.md)")
+        transform_options(self.advantage_batch_transforms, self.transform)
 
     @property
     def num_sampler_logprobs(self) -> int:
@@ -397,6 +407,7 @@ FIELD_DOMAINS = {
     "loss": Checked(check=loss_options, what="a registered loss's options"),
     "advantage": Checked(check=estimator, what="a registered estimator's options or name"),
     "advantage_batch_transforms": Checked(what="registered transform names (checked in __post_init__)"),
+    "transform": Checked(what="the batch transforms' options (checked in __post_init__)"),
     "drop_equal_reward_groups": Flag(),
     "overlong_buffer_length": Num(lo=1, integer=True, special={0: "off"}),
     "overlong_penalty_factor": Num(lo=0, special={0: "no penalty"}),
@@ -414,7 +425,8 @@ FIELD_DOMAINS = {
     "max_concurrent_rollouts": COUNT,
     "max_staleness": Num(lo=1, integer=True, special={0: "on-policy samples only"},
                          hint="a negative staleness bound marks every sample stale"),
-    "weight_sync_steps": COUNT, "rollout_worker_timeout": SECONDS, "score_queue_maxsize": COUNT,
+    "weight_sync_steps": COUNT, "sync_check_steps": Num(lo=1, integer=True, special={0: "never"}),
+    "sync_check_tolerance": Num(lo=0, lo_open=True, none="by dtype"), "rollout_worker_timeout": SECONDS, "score_queue_maxsize": COUNT,
     "hsdp_replicas": Checked(check=hsdp, what="1, auto or a replica count"),
     "progress_interval_s": SECONDS, "reward_timeout_s": SECONDS, "reward_errors": LITERAL,
     "max_dropped_groups_in_a_row": Num(lo=1, integer=True, special={0: "never stop for it"}),
@@ -437,11 +449,14 @@ AsyncGRPOConfig.CROSS_RULES = (
 )
 
 def config_class(argv: list[str]) -> tuple[type, list[str]]:
-    """`--config-cls pkg.module:MyConfig` (anywhere in argv) -> the class, and argv without it."""
+    """`--config-cls pkg.module:MyConfig` (anywhere in argv) -> the class, and argv without it, its variadic flags
+    whose values run into a subcommand moved before that subcommand (grpo/cli_order.py): so
+    `--advantage-batch-transforms batch_std loss:dr_grpo` parses as written."""
+    from grpo.cli_order import hoist_variadic_flags
     from grpo.imports import resolve_import
 
     if "--config-cls" not in argv and not any(a.startswith("--config-cls=") for a in argv):
-        return AsyncGRPOConfig, argv
+        return AsyncGRPOConfig, hoist_variadic_flags(AsyncGRPOConfig, argv)
     rest, path, i = [], None, 0
     while i < len(argv):
         if argv[i] == "--config-cls" and i + 1 < len(argv):
@@ -455,4 +470,5 @@ def config_class(argv: list[str]) -> tuple[type, list[str]]:
     cls = resolve_import(path or "")
     if not (isinstance(cls, type) and issubclass(cls, AsyncGRPOConfig)):
         raise TypeError(f"--config-cls {path!r} is not a subclass of AsyncGRPOConfig")
-    return cls, rest
+    return cls, hoist_variadic_flags(cls, rest)
+

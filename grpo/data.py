@@ -186,8 +186,19 @@ def letters_heldout_rows(num_rows: int = 128) -> list[dict[str, Any]]:
     return rows[:num_rows]
 
 
-BUILTIN_TASKS = {"letters": letters_rows, "letters_heldout": letters_heldout_rows}
-"""`--dataset builtin:<name>` -> row builder; each task has a same-named reward in grpo/rewards.py."""
+def _word_problems(heldout: bool):
+    """Deferred import: the generator lives in its own module (grpo/word_problems.py)."""
+    def rows() -> list[dict[str, Any]]:
+        from grpo import word_problems
+
+        return word_problems.word_problems_heldout_rows() if heldout else word_problems.word_problems_rows()
+    return rows
+
+
+BUILTIN_TASKS = {"letters": letters_rows, "letters_heldout": letters_heldout_rows,
+                 "word_problems": _word_problems(False), "word_problems_heldout": _word_problems(True)}
+"""`--dataset builtin:<name>` -> row builder. `letters` is scored by the same-named reward in grpo/rewards.py;
+`word_problems` rows carry a `solution` column for the default `accuracy` reward."""
 
 
 def builtin_dataset(name: str) -> list[dict[str, Any]]:

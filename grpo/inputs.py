@@ -35,7 +35,7 @@ def check_run_config(config: AsyncGRPOConfig):
     check_model_path(config.model)
     loss_fn = loss_function(config.loss)  # an options class without a registered loss fails here
     check_advantage_config(config)  # the estimator, its options and the batch transforms, before any model loads
-    transforms = batch_transforms(config.advantage_batch_transforms)
+    transforms = batch_transforms(config.advantage_batch_transforms, config.transform)
     check_trackers(config.report_to)  # a tracker whose library is missing fails here, with the pip command
     log.info("vLLM servers: %s", " ".join(config.vllm_server_urls))  # a malformed URL fails here, before the data
     return loss_fn, transforms
@@ -96,7 +96,11 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
     check_tools(tools, environment_factory)
     check_environment_names(environment_factory, train_dataset)
     check_picklable(reward_funcs, tools, environment_factory, loop_cls)  # they cross into the spawned worker
-    return RunInputs(list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls)
+    inputs = RunInputs(list(reward_funcs), train_dataset, list(tools), environment_factory, loop_cls)
+    from grpo.advantages import check_advantage_config
+
+    check_advantage_config(config, inputs)  # options' check(config, inputs): the resolved loop_cls, datasets
+    return inputs
 
 
 def check_tokenizer(tokenizer, model: str) -> None:

@@ -42,6 +42,25 @@ Normalizer = Literal["token", "sequence", "constant"]
 within-sequence mean); `constant`: sequences x max_completion_length (terms [M], Dr. GRPO)."""
 
 
+StatisticScope = Literal["sequence", "row"]
+"""What a loss's per-token terms depend on beyond their own token, declared by the options class attribute
+`statistic_scope` (default `sequence`). `sequence`: their own sequence only, so splitting a micro-batch over ranks
+and accumulation steps leaves the step's gradient unchanged (tests/loss_checks.py, the normaliser invariants).
+`row`: a statistic over the whole packed row the loss is given (Clip-Cov / KL-Cov's covariance selection, a
+row-level percentile): the host hands the loss one rank's part of the micro-batch, so the statistic is that part's
+and the gradient depends on the split. The kit then checks the documented behaviour instead: the split gradient
+equals the one-row gradient when the row's statistic is the micro-batch's (one rank holding the micro-batch, the
+others padding; ranks holding copies of one another)."""
+
+
+def statistic_scope(options: Any) -> StatisticScope:
+    """The options' declared statistic scope (`sequence` unless the class says `row`)."""
+    scope = getattr(options, "statistic_scope", "sequence")
+    if scope not in ("sequence", "row"):
+        raise ValueError(f"{type(options).__name__}.statistic_scope = {scope!r}: declare 'sequence' or 'row'")
+    return scope
+
+
 @dataclass(frozen=True)
 class SamplerNeeds:
     """What a loss needs from the sampler beyond the sampled tokens' logprobs."""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from math import comb
 from typing import TYPE_CHECKING
 
-from grpo.advantages import STD_EPS, register_estimator
+from grpo.advantage_kit import EstimatorCase, register_estimator_case
+from grpo.advantages import STD_EPS, AdvantageGroup, register_estimator
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,17 +27,21 @@ class PassAtKOptions:
     """Subset size: the objective is the expected best reward of k rollouts (pass@k for 0/1 rewards)."""
 
     def check(self, config) -> None:
+        """k fits the group (--num-generations)."""
         if not 1 <= self.k <= config.num_generations:
             raise ValueError(f"advantage:pass-at-k --advantage.k {self.k}: k must be between 1 and "
                              f"--num-generations ({config.num_generations})")
 
 
 @register_estimator("pass_at_k", PassAtKOptions())
-def pass_at_k(rewards: np.ndarray, opts: PassAtKOptions) -> np.ndarray:
+def pass_at_k(group: AdvantageGroup, opts: PassAtKOptions) -> np.ndarray:
     """pass@k training (arXiv 2508.10751): advantage of the expected best-of-k reward, option k."""
     import numpy as np
 
+    rewards = group.rewards
     n = len(rewards)
+    if n == 0 or rewards.max() == rewards.min():  # equal rewards: E[r^2] - E[r]^2 below leaves ~1e-8 of rounding
+        return np.zeros_like(rewards)
     k = min(opts.k, n)
     order = np.argsort(rewards, kind="stable")
     r = rewards[order]  # ascending
@@ -54,3 +59,10 @@ def pass_at_k(rewards: np.ndarray, opts: PassAtKOptions) -> np.ndarray:
     out = np.empty_like(rewards)
     out[order] = (expected - mean) / std
     return out
+
+
+# by hand, rewards (1, 0, 0, 0), k = 2: of the C(4, 2) = 6 pairs, 3 hold rollout 0 (best 1), 3 do not (best 0):
+# mean 1/2, std 1/2. Rollout 0 is in 3 pairs, all best 1: (1 - 1/2) / (1/2) = 1. Each other rollout is in 3 pairs,
+# one with rollout 0 (best 1) and two without (best 0): mean of z = (1 + 2 (-1)) / 3 = -1/3.
+register_estimator_case("pass_at_k", EstimatorCase(rewards=(1.0, 0.0, 0.0, 0.0), overrides={"k": 2},
+                                                   want=(1.0, -1 / 3, -1 / 3, -1 / 3)))

@@ -14,8 +14,8 @@ PLUGIN_MODULES_ENV = "GRPO_PLUGIN_MODULES"
 """Environment variable naming extra modules (comma separated) whose registrations join the registries, CLI, tests."""
 LEGACY_PLUGIN_MODULES_ENV = "GRPO_LOSS_MODULES"
 """The earlier name of PLUGIN_MODULES_ENV, still read."""
-BUILTIN_MODULES = ("grpo.score_centering", "grpo.clipped_losses", "grpo.importance_sampling", "grpo.advantages",
-                   "grpo.pass_at_k", "grpo.batch_std")
+BUILTIN_MODULES = ("grpo.score_centering", "grpo.clipped_losses", "grpo.importance_sampling",
+                   "grpo.group_estimators", "grpo.pass_at_k", "grpo.batch_std")
 """Modules whose import registers the built-in losses (score centering first: it is the default) and estimators."""
 
 

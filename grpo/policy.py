@@ -17,6 +17,7 @@ import torch
 
 from grpo.config import AsyncGRPOConfig
 from grpo.kernels import policy_token_logprobs
+from grpo.logit_transforms import attention_softcap, head_transform
 from grpo.tree_attention import forward_decoder, lm_head_weight
 
 log = logging.getLogger("train")
@@ -40,6 +41,7 @@ class PackedPolicy(torch.nn.Module):
         self.backend = backend
         self.temperature = temperature
         self.logprob_chunk = logprob_chunk
+        self.head_transform = head_transform(model)  # the model's own logit transform (grpo/logit_transforms.py)
 
     def forward(self, row) -> PolicyOutput:
         extra = {"output_router_logits": True} if self.aux_coef else {}
@@ -48,7 +50,7 @@ class PackedPolicy(torch.nn.Module):
         logp, top_logp, entropy = policy_token_logprobs(
             trained_hidden, lm_head_weight(self.model), row.targets, self.temperature,
             top_ids=row.sampler_top_ids, sampling_mask=row.sampling_mask, chunk_size=self.logprob_chunk,
-            keep_logits_bytes=self.keep_logits_bytes, fused=self.fused_head)
+            keep_logits_bytes=self.keep_logits_bytes, fused=self.fused_head, transform=self.head_transform)
         aux = self.load_balancing_loss(out.router_logits) if self.aux_coef else None
         return PolicyOutput(logp, top_logp, entropy, aux)
 
@@ -91,7 +93,8 @@ def build_policy(config: AsyncGRPOConfig, info, token_budget: int, peft_config=N
         log.info("torch.compile (%s): %d decoder modules (whole layers or norms, MLPs, rotary, GDN conv) and the "
                  "log-prob head's softmax passes", config.compile_scope,
                  compile_layer_regions(model, config.compile_scope))
-    policy = PackedPolicy(packed_forward_module(model), select_backend(config.attn_backend, info.device),
+    backend = select_backend(config.attn_backend, info.device, softcap=attention_softcap(model) is not None)
+    policy = PackedPolicy(packed_forward_module(model), backend,
                           config.temperature, aux_coef=aux_loss_coef(model, config.router_aux_loss_coef),
                           keep_logits_bytes=kept_logits_bytes(info.device), fused_head=compile_layers)
     policy = shard_model(policy, info, mixed_precision=mixed_precision,

@@ -10,6 +10,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from grpo.sync_errors import WeightSyncError
+
 log = logging.getLogger("grpo.rejoin")
 
 
@@ -92,7 +94,8 @@ class Rejoiner:
 
 class RejoinMixin:
     """`WeightSync`'s side of the rejoin (rank 0): dropped servers admitted into a sync, or cold-synced alone when
-    none is alive. Uses WeightSync's `rejoiner`, `_joining`, `alive_flags`, `_phase`, `_transfer`, `_load_file`."""
+    none is alive. Uses WeightSync's `rejoiner`, `_joining`, `alive_flags`, `_phase`, `_transfer` and its
+    transport (the cpu_file one's kept file and `load`)."""
 
     def _admit_rejoiners(self) -> None:
         """Rank 0, before a sync: dropped servers that pass their probe take part in it."""
@@ -114,16 +117,17 @@ class RejoinMixin:
         dropped servers that are due and cold-sync the first that passes, alone. True when one rejoined."""
         if self.rank != 0 or self.alive() or not self._can_rejoin_alone():
             return False
-        if self.world_size > 1 and not self._kept_file:  # no version written yet
+        kept = getattr(self.transport, "kept_file", None)  # cpu_file on several ranks: the last version
+        if self.world_size > 1 and not kept:  # no version written yet
             return False
         for i in self.rejoiner.due(self.dropped()):
             self._joining = {i}
             try:
                 self._phase(i, "pause", version, lambda c=self.controls[i]: c.pause(mode="keep"))
                 if self.world_size > 1:
-                    self._load_file(i, self._kept_file, version)
+                    self.transport.load(i, kept, version)
                 else:
-                    self._transfer(version)
+                    self._transfer(model, version)
                 if i in self._joining:
                     self._phase(i, "resume", version, self.controls[i].resume)
             except Exception as exc:
@@ -138,7 +142,6 @@ class RejoinMixin:
     def _wait_for_rejoin(self, model, version: int) -> None:
         """Rank 0 after a sync that lost its last server: wait up to rejoin_wait_s for one to come back."""
         from grpo.progress import WaitProgress
-        from grpo.sync_errors import WeightSyncError
 
         error = self._none_left or WeightSyncError(f"weight sync version {version}: no vLLM server is alive")
         if not self._can_rejoin_alone():

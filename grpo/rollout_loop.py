@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo.advantages import estimate_advantages
+from grpo.advantages import AdvantageGroup, estimate_advantages
 from grpo.evaluation import sampling_override_var
 from grpo.multiturn import parse_tool_calls
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TurnRecord
@@ -109,11 +109,19 @@ class AsyncRolloutLoop(RolloutScheduler):
                        tool_failure_count=failures)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """Advantages [G] by the configured estimator (grpo/advantages.py); NaN rewards get 0."""
+        """Advantages [G] by the configured estimator (grpo/advantages.py), which sees the group's rewards,
+        completion lengths, trained tokens, turns and prompt id (`advantage_group`); NaN rewards get 0."""
         cfg = self.config
-        lengths = np.array([len(r.completion_ids) for r in group.rollouts])
-        return estimate_advantages(cfg.advantage, group.rewards, lengths, cfg.max_completion_length,
+        return estimate_advantages(cfg.advantage, advantage_group(group), None, cfg.max_completion_length,
                                    cfg.overlong_buffer_length, cfg.overlong_penalty_factor)
+
+
+def advantage_group(group: RolloutGroup) -> AdvantageGroup:
+    """What an estimator sees of a scored group: per rollout its total reward, generated tokens (all turns),
+    trained tokens (over its training samples), sampling requests; and the prompt's dataset row."""
+    return AdvantageGroup.of(group.rewards, [len(r.completion_ids) for r in group.rollouts],
+                             [sum(s.num_trained for s in seq) for seq in group.completions_sequences],
+                             [len(r.turns) for r in group.rollouts], group.row_index)
 
 
 def _preview(prompt: list[dict[str, Any]], limit: int = 200) -> str:

@@ -19,11 +19,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from grpo.config import AsyncGRPOConfig
 from grpo.data import text_messages
 from grpo.flow_control import ConcurrencyCap, TokenAllowance
 from grpo.multiturn import FoldStats, fold_turns
@@ -34,6 +33,9 @@ from grpo.server_pool import GroupHome, NoServerLeftError, Server, ServerPool
 from grpo.shared_state import LoopOptions, SharedState
 from grpo.tools import (EnvironmentPool, EnvResetError, call_tool, environment_tools, tool_schema,
                         with_env_prompt)
+
+if TYPE_CHECKING:  # a plug-in module may subclass the loop; grpo.config imports plug-ins (no cycle)
+    from grpo.config import AsyncGRPOConfig
 
 log = logging.getLogger("grpo.rollout")
 model_version_var: contextvars.ContextVar[int] = contextvars.ContextVar("model_version", default=0)
@@ -338,6 +340,8 @@ class RolloutScheduler:
                 sample.group_id, sample.row_index = group.group_id, group.row_index
                 sample.model_version, sample.rollout_id = group.model_version, group.rollouts[i].rollout_id
                 sample.reward = float(group.rewards[i])
+                sample.completion_length = len(group.rollouts[i].completion_ids)
+                sample.turns = len(group.rollouts[i].turns)
                 sample.queued_at, sample.group_size = time.monotonic(), group_size
                 tokens += len(sample)
                 self.shared.put_sample(sample)

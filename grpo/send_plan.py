@@ -5,7 +5,8 @@ in-memory conversions (e.g. fused MoE experts `mlp.experts.gate_up_proj`) are re
 `revert_weight_conversion` that `save_pretrained` uses. Frozen parameters (a VLM's vision tower) are not sent; the
 server keeps them as loaded. Floating tensors are cast to the server dtype before sending (fp32 -> bf16 halves the
 bytes), and the manifest declares that dtype. A PEFT policy is sent merged: each LoRA delta (scale x B @ A) is added
-to its gathered base weight as it is sent. How the tensors travel is `weight_sync.py`'s business.
+to its gathered base weight as it is sent. How the tensors travel is the transports' business
+(grpo/sync_transport.py).
 """
 
 from __future__ import annotations

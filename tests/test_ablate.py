@@ -16,9 +16,10 @@ def test_variant_options_become_train_flags(tmp_path):
     assert ablate.parse_variant("dr_grpo+advantage_estimator=no_std+loss.epsilon_high=0.3") == (
         "dr_grpo", {"advantage_estimator": "no_std", "loss.epsilon_high": "0.3"})
     cmd = ablate.train_command(args, "dapo+drop_equal_reward_groups=false+loss.epsilon=0.2", 7, "http://x", tmp_path)
-    tail = cmd[cmd.index("--seed"):]
-    assert tail == ["--seed", "7", "--output-dir", str(tmp_path), "--max-steps", "5", "--no-drop-equal-reward-groups",
-                    "loss:dapo", "--loss.epsilon", "0.2"]  # the variant's option wins over --set
+    tail = cmd[cmd.index("--max-steps", cmd.index("--rollout-worker-timeout")):]
+    assert tail == ["--max-steps", "5", "--no-drop-equal-reward-groups", "--seed", "7", "--output-dir", str(tmp_path),
+                    "loss:dapo", "--loss.epsilon", "0.2"]  # the variant's option wins over --set; run options
+    # before --seed, so that a variadic one ends at a flag (tests/test_cli_commands.py parses them with the CLI)
     with pytest.raises(SystemExit, match="key=value"):
         ablate.parse_variant("grpo+oops")
     for key in ("advantage", "advantage_estimator"):  # the estimator subcommand goes after the loss's options

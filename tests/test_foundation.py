@@ -21,11 +21,12 @@ def _post(url: str, payload: dict) -> dict:
         return json.loads(r.read())
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_moe", "gemma2", "granite"])
 def test_tiny_model_forward_backward(tiny_models, kind):
+    from make_tiny_model import make
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    path = tiny_models[kind]
+    path = tiny_models[kind] if kind in tiny_models else make(REPO / ".tiny", (kind,))[kind]
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if kind == "qwen3_5" else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=torch.float32)

@@ -26,6 +26,27 @@ from torch import Tensor
 NEG_INF = float("-inf")
 
 
+@dataclass(frozen=True)
+class HeadTransform:
+    """What the model's own head does to h·Wᵀ before sampling, in transformers' order: logits = raw x multiplier,
+    then (when `softcap` is set) softcap x tanh(logits / softcap). Read from the model by grpo/logit_transforms.py
+    (Granite's 1 / logits_scaling, Cohere's logit_scale, Gemma-2's final_logit_softcapping, ...)."""
+
+    multiplier: float = 1.0
+    """Linear factor on the raw logits (1.0: none)."""
+    softcap: float | None = None
+    """Final-logit soft cap, applied after the multiplier (None: none)."""
+
+    @property
+    def is_identity(self) -> bool:
+        return self.multiplier == 1.0 and self.softcap is None
+
+    def apply(self, raw: Tensor) -> Tensor:
+        """The transform on [*, V] logits, out of place (the reference formula)."""
+        logits = raw * self.multiplier if self.multiplier != 1.0 else raw
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+
 def policy_token_logprobs(
     hidden: Tensor,  # [M, H]
     lm_head_weight: Tensor,  # [V, H]
@@ -36,8 +57,12 @@ def policy_token_logprobs(
     chunk_size: int = 4096,
     keep_logits_bytes: int = 0,
     fused: bool = False,
+    transform: HeadTransform | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Return (policy_logprobs [M], policy_top_logprobs [M, K] or None, entropy [M] detached).
+
+    `transform` is the model's own logit transform (multiplier, final soft cap), applied before the temperature
+    as transformers and vLLM apply it; a soft cap runs the unfused passes (the compiled ones have no cap).
 
     A `sampling_mask` row with no candidate at all (every entry -1) means "no mask reported for this position"
     and falls back to the full vocabulary there (e.g. vLLM dropping the mask under batch-sharded sampling).
@@ -57,8 +82,13 @@ def policy_token_logprobs(
     support = None if sampling_mask is None else _unique_ids(sampling_mask.long())
     m = hidden.shape[0]
     kept_rows = _kept_rows(m, lm_head_weight.shape[0] * hidden.element_size(), chunk_size, keep_logits_bytes)
+    transform = transform or HeadTransform()
+    fused = fused and transform.softcap is None
     block = fused and support is None and kept_rows == m > 0  # every row's logits kept: one block, no chunks
-    options = _HeadOptions(1.0 / temperature, m if block else chunk_size, kept_rows, fused, block)
+    softcap = None if transform.softcap is None else (transform.multiplier / transform.softcap,
+                                                      transform.softcap / temperature)
+    scale = transform.multiplier / temperature
+    options = _HeadOptions(scale, m if block else chunk_size, kept_rows, fused, block, softcap)
     logprobs, entropy = _ChunkedLogprobs.apply(hidden, lm_head_weight, index, support, options)
     policy_top_logprobs = logprobs[:, 1:] if top_ids is not None else None
     return logprobs[:, 0], policy_top_logprobs, entropy
@@ -71,9 +101,10 @@ def naive_token_logprobs(
     temperature: float,
     top_ids: Tensor | None = None,  # [M, K]
     sampling_mask: Tensor | None = None,  # [M, C]
+    transform: HeadTransform | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """The same quantities through plain autograd on the full [M, V] logits: the reference for tests and benches."""
-    logits = hidden @ lm_head_weight.T  # [M, V]
+    logits = (transform or HeadTransform()).apply(hidden @ lm_head_weight.T)  # [M, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     if sampling_mask is not None:
         has_set = (sampling_mask >= 0).any(dim=1, keepdim=True)  # [M, 1]
@@ -123,9 +154,24 @@ def _unique_ids(ids: Tensor) -> Tensor:
     return ids.masked_fill(repeat, -1)
 
 
-def _tempered(raw: Tensor, inv_temperature: float) -> Tensor:
-    """Tempered float32 logits of one chunk from the matmul's output (a copy: kept logits stay untouched)."""
-    return raw.to(torch.promote_types(raw.dtype, torch.float32), copy=True).mul_(inv_temperature)
+def _tempered(raw: Tensor, options: _HeadOptions) -> Tensor:
+    """Transformed, tempered float32 logits of one chunk from the matmul's output (a copy: kept logits stay
+    untouched): raw x multiplier / T, or cap / T tanh(raw x multiplier / cap) under a soft cap."""
+    z = raw.to(torch.promote_types(raw.dtype, torch.float32), copy=True)
+    if options.softcap is None:
+        return z.mul_(options.logit_scale)
+    return z.mul_(options.softcap[0]).tanh_().mul_(options.softcap[1])
+
+
+def _grad_raw(logits: Tensor, index: Tensor, support: Tensor | None, lse: Tensor, grad: Tensor,
+              options: _HeadOptions) -> Tensor:
+    """d loss / d raw logits of one chunk from its transformed logits: the softmax gradient times dz/draw, which
+    is multiplier / T, times 1 - tanh^2 under a soft cap."""
+    if options.softcap is None:
+        return _chunk_grad_logits(logits, index, support, lse, grad, options.logit_scale)
+    slope = (logits * (1.0 / options.softcap[1])).square_().neg_().add_(1.0)  # 1 - tanh^2, [c, V]
+    grad_z = _chunk_grad_logits(logits, index, support, lse, grad, 1.0)
+    return grad_z.mul_(slope).mul_(options.softcap[0] * options.softcap[1])
 
 
 def _support_logits(logits: Tensor, support: Tensor) -> Tensor:
@@ -157,11 +203,12 @@ def _chunk_forward(logits: Tensor, index: Tensor, support: Tensor | None) -> tup
 
 @dataclass(frozen=True)
 class _HeadOptions:
-    inv_temperature: float
+    logit_scale: float  # the head's multiplier / T: the whole transform when there is no cap
     chunk_size: int
     kept_rows: int  # the first rows (whole chunks) whose logits the forward keeps for the backward
     fused: bool
     block: bool = False  # one chunk of all M rows, kept, fused, no mask: the backward of `_block_backward`
+    softcap: tuple[float, float] | None = None  # (multiplier / cap, cap / T): z = cap/T tanh(raw multiplier / cap)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -184,10 +231,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 chunk_support = None if support is None else support[rows]
                 if options.fused and chunk_support is None:
                     logprobs[rows], entropy[rows], lse_used[rows] = _fused_forward()(raw, _chunk_of(index, rows),
-                                                                                      options.inv_temperature)
+                                                                                      options.logit_scale)
                 else:
                     logprobs[rows], entropy[rows], lse_used[rows], _ = _chunk_forward(
-                        _tempered(raw, options.inv_temperature), index[rows], chunk_support)
+                        _tempered(raw, options), index[rows], chunk_support)
         ctx.save_for_backward(hidden, weight, index, support, lse_used, logprobs)
         ctx.options, ctx.kept = options, kept  # created here, not inputs or outputs: kept as plain references
         ctx.mark_non_differentiable(entropy)
@@ -201,7 +248,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # -inf outputs (padding, ids outside S_t) are constants: their incoming gradient is dropped.
         grad_logprobs = torch.where(torch.isfinite(logprobs), grad_logprobs.to(logprobs.dtype), 0.0)  # [M, J]
         if options.block:
-            return (*_block_backward(kept, hidden, weight, index, lse_used, grad_logprobs, options.inv_temperature,
+            return (*_block_backward(kept, hidden, weight, index, lse_used, grad_logprobs, options.logit_scale,
                                      need_hidden, need_weight), None, None, None)
         compute_weight = weight.to(hidden.dtype)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -213,11 +260,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 chunk_support = None if support is None else support[rows]
                 if options.fused and chunk_support is None:
                     grad_logits = _fused_grad()(raw, _chunk_of(index, rows), _chunk_of(lse_used, rows),
-                                                _chunk_of(grad_logprobs, rows), options.inv_temperature)
+                                                _chunk_of(grad_logprobs, rows), options.logit_scale)
                 else:
-                    grad_logits = _chunk_grad_logits(_tempered(raw, options.inv_temperature), index[rows],
-                                                     chunk_support, lse_used[rows], grad_logprobs[rows],
-                                                     options.inv_temperature).to(hidden.dtype)
+                    grad_logits = _grad_raw(_tempered(raw, options), index[rows], chunk_support, lse_used[rows],
+                                            grad_logprobs[rows], options).to(hidden.dtype)
                 if need_hidden:
                     torch.mm(grad_logits, compute_weight, out=grad_hidden[rows])
                 if need_weight:

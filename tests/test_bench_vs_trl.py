@@ -1,0 +1,107 @@
+"""scripts/bench_vs_trl.py on CPU without TRL: the dry run's mapping holds (same samples per step, lengths, learning
+rate, temperature and loss family on both sides), our side's command line parses into train.py's config, and TRL's
+field names exist in TRL 1.16's GRPOConfig (checked against its source where the wheel is reachable)."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_vs_trl  # noqa: E402
+
+
+def parsed_ours(settings):
+    import tyro
+
+    from grpo.config import config_class
+
+    argv = bench_vs_trl.ours_argv(settings, "http://127.0.0.1:8000", "outputs/x")[1:]
+    cls, args = config_class(argv)
+    return tyro.cli(cls, args=args)
+
+
+@pytest.mark.parametrize("workload", sorted(bench_vs_trl.WORKLOADS))
+def test_both_sides_train_the_same_step(workload):
+    s = bench_vs_trl.WORKLOADS[workload]
+    ours = parsed_ours(s)
+    trl = bench_vs_trl.trl_config_kwargs(s, "outputs/trl")
+    # one optimizer step: prompts_per_step groups of G on both sides
+    assert trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"] == s.samples_per_step
+    assert ours.num_generations * ours.gradient_accumulation_steps == s.samples_per_step
+    assert trl["per_device_train_batch_size"] % trl["num_generations"] == 0
+    assert trl["steps_per_generation"] == trl["gradient_accumulation_steps"] and trl["num_iterations"] == 1
+    # our packed row holds one whole group of the longest samples, as TRL's micro-batch does
+    assert ours.token_budget >= s.num_generations * (s.max_prompt_tokens + s.max_completion_length)
+    for ours_value, trl_key in ((ours.num_generations, "num_generations"),
+                                (ours.max_completion_length, "max_completion_length"),
+                                (ours.learning_rate, "learning_rate"), (ours.temperature, "temperature"),
+                                (ours.max_steps, "max_steps"), (ours.seed, "seed"),
+                                (ours.max_grad_norm, "max_grad_norm"), (ours.weight_decay, "weight_decay")):
+        assert ours_value == trl[trl_key], trl_key
+    assert ours.lr_scheduler_type == trl["lr_scheduler_type"] == "constant"
+    # loss family: DAPO's clip range and the sampler-mismatch mask bounds agree
+    assert trl["loss_type"] == s.loss and type(ours.loss).__name__ == "ClippedOptions"
+    assert (ours.loss.epsilon, ours.loss.epsilon_high) == (trl["epsilon"], trl["epsilon_high"])
+    assert ours.loss.normalizer == "token" and trl["beta"] == 0.0
+    assert (ours.loss.vllm_importance_sampling_clip_min, ours.loss.vllm_importance_sampling_clip_max) == \
+        (trl["vllm_importance_sampling_clip_min"], trl["vllm_importance_sampling_clip_max"])
+    assert trl["vllm_importance_sampling_mode"] == "token_mask" and trl["vllm_mode"] == "colocate"
+    assert ours.drop_equal_reward_groups is False  # TRL trains zero-spread groups too
+    assert (ours.eval_dataset is None) == (s.eval_dataset is None)
+
+
+def test_dry_run_prints_mapping_and_both_configs():
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_vs_trl.py"), "--workload", "real",
+                             "--dry-run"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert bench_vs_trl.TRL_PIN in out and "ours: python train.py" in out and "trl GRPOConfig: {" in out
+    assert out.count("\n| ") == len(bench_vs_trl.MAPPING) + 1  # header + one line a mapped setting
+
+
+def test_trl_field_names_exist_in_its_source(tmp_path):
+    """Every GRPOConfig keyword we pass is a field of TRL 1.16 (or of transformers' TrainingArguments)."""
+    download = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(tmp_path),
+                               bench_vs_trl.TRL_PIN], capture_output=True, text=True, timeout=120)
+    if download.returncode != 0:
+        pytest.skip(f"cannot download {bench_vs_trl.TRL_PIN} (no PyPI?): {download.stderr[-200:]}")
+    wheel = next(tmp_path.glob("trl-*.whl"))
+    source = zipfile.ZipFile(wheel).read("trl/trainer/grpo_config.py").decode()
+    from transformers import TrainingArguments
+
+    inherited = set(TrainingArguments.__dataclass_fields__)
+    kwargs = bench_vs_trl.trl_config_kwargs(bench_vs_trl.WORKLOADS["real"], "x")
+    missing = [k for k in kwargs if k not in inherited and f"\n    {k}: " not in source]
+    assert not missing, f"not GRPOConfig fields in {bench_vs_trl.TRL_PIN}: {missing}"
+    assert '"0.22.0") <= _vllm_base_version <= Version("0.31.0")' in \
+        zipfile.ZipFile(wheel).read("trl/import_utils.py").decode()  # the vLLM range that admits the 0.26 bundle
+
+
+def test_report_builds_curves_from_both_kinds_of_run(tmp_path):
+    """Our run (metrics.jsonl + wall.json) and TRL's (curve.jsonl) -> curves.json: the step-0 baseline first for
+    ours, samples = weight version x samples per step, steady-state steps/s and trained tok/s."""
+    import json
+
+    ours, trl = tmp_path / "async", tmp_path / "trl"
+    ours.mkdir(), trl.mkdir()
+    (ours / "wall.json").write_text(json.dumps({"start": 1000.0}))
+    steps = [{"step": i, "time": 1000.0 + 10 + 2 * i, "batch/samples_per_step": 128,
+              "batch/trained_tokens_per_step": 5000} for i in range(1, 9)]
+    evals = [{"step": 8, "time": 1030.0, "eval/reward": 0.4, "eval/pass@k": 0.6, "eval/model_version": 8}]
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
+    (trl / "curve.jsonl").write_text(json.dumps({"step": 0, "samples": 0, "wall_s": 5.0, "eval/reward": 0.1,
+                                                 "eval/pass@k": 0.3}) + "\n")
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"greedy_accuracy": 0.125, "k": 4, "pass@4": 0.3}))
+    bench_vs_trl.report(tmp_path, baseline)
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert curves["async"]["points"] == [{"wall_s": 0.0, "samples": 0, "eval/reward": 0.125, "eval/pass@k": 0.3},
+                                         {"wall_s": 30.0, "samples": 8 * 128, "eval/reward": 0.4, "eval/pass@k": 0.6}]
+    assert curves["async"]["steps_per_s"] == pytest.approx(0.5)  # steps 4..8, 2 s apart
+    assert curves["async"]["trained_tokens_per_s"] == pytest.approx(2500)
+    assert curves["trl"]["points"][0]["eval/reward"] == 0.1 and (tmp_path / "curves.png").stat().st_size > 0
