@@ -62,6 +62,7 @@ class Run:
     nonfinite_in_a_row: int = 0
     sync_due: bool = False  # a weight sync fell due on a step that skipped its optimizer: the next one that trains
     step_end: float = 0.0  # perf_counter() when the last step was concluded
+    lock: Any = None  # rank 0: the output_dir's lock file (grpo/run_lock.py), released at the end
 
     @cached_property
     def loss_fn(self):
@@ -125,9 +126,10 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     import torch
 
     from grpo import checkpoint as ckpt
+    from grpo import run_lock
     from grpo.batcher import TokenBudgetBatcher
     from grpo.distributed import broadcast_object, hsdp_replicas, init_distributed
-    from grpo.inputs import check_run_config, resolve_eval_dataset, resolve_inputs
+    from grpo.inputs import check_run_config, check_tokenizer, resolve_eval_dataset, resolve_inputs
     from grpo.metrics import MetricsLogger
     from grpo.model import load_tokenizer
     from grpo.model_check import check_logprob_path
@@ -141,13 +143,15 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     check_run_config(config)  # the loss, the advantage options, the trackers: before any model loads
     inputs = resolve_inputs(config, reward_funcs, train_dataset, tools, environment_factory, loop_cls)
     eval_dataset = resolve_eval_dataset(config, eval_dataset, inputs.environment_factory)
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    check_tokenizer(tokenizer, config.model)  # before any server wait or model load
     info = init_distributed(config.vllm_server_timeout)
     hsdp_replicas(config.hsdp_replicas, info)  # a bad value fails here, before the server is contacted
     ckpt.check_shared_output_dir(config.output_dir)  # rank 0 writes what every rank reads back on resume
+    lock = run_lock.acquire(config.output_dir) if info.is_main else None  # one live run per output_dir
     torch.manual_seed(config.seed)
     facts = broadcast_object(server_facts(config) if info.is_main else None, info)
     budget = config.token_budget or facts["max_model_len"]
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     model, policy, optimizer, scheduler, autocast = build_policy(config, info, budget, peft_config)
     check_logprob_path(model, policy)  # trainer's log-probs == the model's own forward, or stop (grpo/model_check.py)
     state = ckpt.start_state(config.resume_from_checkpoint, config.output_dir, model, optimizer, scheduler,
@@ -162,7 +166,7 @@ def build(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environme
     run = Run(config=config, info=info, tokenizer=tokenizer, model=model, policy=policy, optimizer=optimizer,
               scheduler=scheduler, autocast=autocast, sync=sync, logger=logger,
               batcher=TokenBudgetBatcher(budget, info.world_size), state=state, eval_dataset=eval_dataset,
-              version=version, step=state["step"], saved_step=state["step"])
+              version=version, step=state["step"], saved_step=state["step"], lock=lock)
     if info.is_main:
         start_worker(run, inputs, facts["served_model"], adapter and adapter.name, budget)
     return run
@@ -370,6 +374,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
          loop_cls=None, peft_config=None, eval_dataset=None) -> dict:
     """Build, train until `max_steps` or the end of the epochs, save the final model; {"step", "model_version",
     "output_dir"}."""
+    from grpo import run_lock
     from grpo.distributed import barrier
 
     run = build(config, reward_funcs, train_dataset, tools, environment_factory, loop_cls, peft_config, eval_dataset)
@@ -384,6 +389,7 @@ def main(config: AsyncGRPOConfig, reward_funcs=None, train_dataset=None, tools=N
         save(run, run.step, final_state)
     barrier(run.info)
     run.sync.close()
+    run_lock.release(run.lock)
     return {"step": run.step, "model_version": run.version, "output_dir": config.output_dir}
 
 

@@ -21,7 +21,9 @@ anything on resume: the load fails with `UnpicklingError`.
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -107,6 +109,12 @@ def start_state(spec: str | None, output_dir: str | Path, model, optimizer, sche
     state = {"prompt_index": 0, "model_version": 0, "step": 0, "consumed_above": [],
              "run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"}
     path = resolve_checkpoint(spec, output_dir)
+    identity = model_identity(model)  # of --model as loaded: the base weights, before any checkpoint
+    if path is not None:
+        check_model_identity(path, identity)
+    if _rank() == 0:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / IDENTITY_FILE).write_text(json.dumps(identity))
     if path is None:
         return state
     state = load_checkpoint(path, model, optimizer, scheduler) | {"run_id": state["run_id"]}
@@ -114,6 +122,61 @@ def start_state(spec: str | None, output_dir: str | Path, model, optimizer, sche
         logging.getLogger("train").info("resumed from %s at step %d, prompt %d", path, state["step"],
                                         state["prompt_index"])
     return state
+
+
+IDENTITY_FILE = "model_identity.json"
+"""Written into output_dir at each run's start and copied into every checkpoint: what a resume compares."""
+
+
+def model_identity(model) -> dict:
+    """Collective under FSDP. The model's architecture, parameter shapes, and a fingerprint of its base weights
+    (per tensor: sum and L2 norm accumulated in float64, over the full tensor on every world size). LoRA adapter
+    tensors are left out: the base is what `--model` names."""
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    tensors = {}
+    for name, param in inner.state_dict().items():
+        if "lora_" in name:
+            continue
+        values = param.detach()
+        # float64 accumulation without a float64 copy of the tensor (an embedding is GiBs)
+        stats = [values.sum(dtype=torch.float64), torch.linalg.vector_norm(values, dtype=torch.float64)]
+        stats = [float(x.full_tensor() if hasattr(x, "full_tensor") else x) for x in stats]  # DTensor: all ranks
+        tensors[name] = [list(param.shape), *stats]
+    return {"architectures": list(getattr(config, "architectures", None) or [type(inner).__name__]),
+            "tensors": tensors}
+
+
+def check_model_identity(path: Path, identity: dict, rel_tol: float = 1e-4) -> None:
+    """The checkpoint's recorded model identity against --model's: architecture, parameter shapes, then the base
+    weights' fingerprint (a relative tolerance absorbs the summation order of another world size)."""
+    file = path / IDENTITY_FILE
+    if not file.exists():
+        import logging
+
+        logging.getLogger("train").warning("checkpoint %s records no model identity (written by an older version): "
+                                           "cannot check that --model is the model it was trained from", path)
+        return
+    try:
+        saved = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointFileError(file, f"is not valid JSON ({exc})") from None
+    fix = ("pass the --model this run was started with, or a fresh --output-dir without "
+           "--resume-from-checkpoint to train this model from the start")
+    if saved["architectures"] != identity["architectures"]:
+        raise ValueError(f"checkpoint {path} was trained from a {saved['architectures']} model, --model is a "
+                         f"{identity['architectures']}: {fix}")
+    ours, theirs = identity["tensors"], saved["tensors"]
+    shapes = [n for n in set(ours) | set(theirs) if n not in ours or n not in theirs or ours[n][0] != theirs[n][0]]
+    if shapes:
+        raise ValueError(f"checkpoint {path} holds parameters of other names or shapes than --model "
+                         f"({len(shapes)}, e.g. {sorted(shapes)[:3]}): {fix}")
+    differ = [n for n in ours if not all(math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-6)
+                                         for a, b in zip(ours[n][1:], theirs[n][1:]))]
+    if differ:
+        raise ValueError(f"checkpoint {path} was trained from other base weights than --model (same architecture and "
+                         f"shapes; {len(differ)} of {len(ours)} tensors differ at the run's start, e.g. "
+                         f"{sorted(differ)[:3]}): {fix}")
 
 
 def _full_state_dicts(model, optimizer):
@@ -138,6 +201,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, optimiz
             tokenizer.save_pretrained(tmp)
         torch.save(optim_sd, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if (out / IDENTITY_FILE).exists():
+            shutil.copy(out / IDENTITY_FILE, tmp / IDENTITY_FILE)
     _barrier()
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()
@@ -160,6 +225,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
+    rollout_state = read_rollout_state(path)  # a truncated file is named before the weights load
     model_sd = {}
     for f in sorted(path.glob("*.safetensors")):
         model_sd |= load_file(f)
@@ -171,7 +237,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.exists():
         _set_rng_state(_safe_load(rng))
-    return json.loads((path / "rollout_state.json").read_text())
+    return rollout_state
 
 
 def unwrap(model):
@@ -201,13 +267,40 @@ def _to_model_names(model, state: dict, path: Path) -> dict:
     return converted
 
 
+class CheckpointFileError(pickle.UnpicklingError):
+    """A checkpoint file that cannot be read (truncated, corrupted, or holding more than tensors), by name."""
+
+    def __init__(self, path: Path, problem: str):
+        others = [p.name for p in list_checkpoints(path.parent.parent) if p != path.parent]
+        super().__init__(f"checkpoint file {path} {problem}. Resume from another checkpoint "
+                         f"({', '.join(others[-3:]) or 'none other in this output_dir'}: --resume-from-checkpoint "
+                         f"<dir>), or move {path.parent} aside and pass --resume-from-checkpoint latest")
+
+
 def _safe_load(path: Path):
-    """Tensors and plain containers only (no code runs); checkpoints of older versions stored numpy's RNG state as
-    an ndarray, allowed by name."""
+    """Tensors and plain containers only (weights_only loading: no code runs); checkpoints of older versions stored
+    numpy's RNG state as an ndarray, allowed by name. An unreadable file is named with the fix."""
     allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, getattr(np, "_core", np).multiarray._reconstruct] \
         if hasattr(np, "dtypes") else []
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # torch's text advises loading unsafely: not repeated
+        raise CheckpointFileError(path, "holds objects other than tensors and plain containers (read with "
+                                        "weights_only loading, nothing in it ran); it is corrupted or was not "
+                                        "written by this trainer") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CheckpointFileError(path, f"cannot be read ({type(exc).__name__}: {str(exc)[:160]}); it is truncated "
+                                        f"or corrupted (a disk full or a copy cut short?)") from None
+
+
+def read_rollout_state(path: Path) -> dict:
+    """rollout_state.json of a checkpoint directory, the file named when it is not JSON."""
+    file = path / "rollout_state.json"
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFileError(file, f"is not valid JSON ({exc}); it is truncated or corrupted") from None
 
 
 def _rng_state() -> dict:

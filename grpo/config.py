@@ -19,6 +19,9 @@ from typing import Literal
 
 from grpo.advantages import (batch_transform_cli_type, estimator_cli_union, estimator_options, transform_options,
                              transform_options_class)
+from grpo.domains import (LITERAL, MAX_WAIT_S, Checked, CrossRule, Flag, Num, Text, Texts, budget_fits_a_sample,
+                          buffer_inside_completion, chat_kwargs, estimator, hsdp, loss_options, schedule_has_an_end,
+                          server_urls, warmup_inside_steps)
 from grpo.group_estimators import GroupStdOptions
 from grpo.losses import loss_cli_union, sampler_needs
 from grpo.score_centering import ScoreCenteringOptions
@@ -45,7 +48,8 @@ class AsyncGRPOConfig:
     trust_remote_code: bool = False
     """Allow custom modelling code from the checkpoint."""
     router_aux_loss_coef: float | None = None
-    """MoE load-balancing loss weight; None = the model config's value, 0 disables. Errors on a dense model."""
+    """MoE load-balancing loss weight (>= 0); None = the model config's value, 0 disables. Errors on a dense
+    model."""
     attn_backend: Literal["auto", "flash_varlen", "flash_split", "flex", "sdpa"] = "auto"
     """Tree-attention backend. auto: flash_split on CUDA (sm80+), else FlashAttention varlen / FlexAttention, the
     SDPA reference on CPU. flash_split reads each shared prefix once per parent (two flash calls merged by
@@ -78,8 +82,8 @@ class AsyncGRPOConfig:
 
     # ---- PEFT / LoRA -----------------------------------------------------------------------------------------------
     lora_r: int = 0
-    """> 0: train a LoRA adapter of this rank instead of the full model (Python API: `peft_config=LoraConfig(...)`
-    replaces the lora_* fields). Checkpoints then hold the adapter (PEFT format)."""
+    """> 0: train a LoRA adapter of this rank instead of the full model; 0 = train the full model (Python API:
+    `peft_config=LoraConfig(...)` replaces the lora_* fields). Checkpoints then hold the adapter (PEFT format)."""
     lora_alpha: float | None = None
     """LoRA scaling numerator (scale = alpha / r); None = 2 x lora_r."""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
@@ -117,29 +121,34 @@ class AsyncGRPOConfig:
     eval_dataset_split: str = "test"
     """Split of a Hub eval_dataset (a local file or builtin: task holds one split)."""
     eval_max_prompts: int | None = None
-    """Evaluate only the first N eval prompts (None = all of them)."""
+    """Evaluate only the first N eval prompts (N >= 1; None = all of them)."""
     eval_steps: int = 50
     """Optimizer steps between evaluations (0 = only the final one)."""
     eval_num_generations: int = 4
-    """k: sampled rollouts per eval prompt (eval/pass@k, eval/mean@k), beside one greedy rollout (eval/reward)."""
+    """k >= 1: sampled rollouts per eval prompt (eval/pass@k, eval/mean@k), beside one greedy rollout
+    (eval/reward)."""
 
     # ---- generation --------------------------------------------------------------------------------------------
     num_generations: int = 8
     """Rollouts per prompt (the group)."""
     max_completion_length: int = 2048
-    """Maximum tokens generated per vLLM request, i.e. per turn."""
+    """Maximum tokens generated per vLLM request, i.e. per turn (>= 1)."""
     temperature: float = 1.0
-    """Sampling temperature; the trainer scales its logits by the same value."""
+    """Sampling temperature (> 0); the trainer scales its logits by the same value. 0 (greedy) is refused: every
+    rollout of a group would be the same, and every group dropped for equal rewards."""
     top_p: float = 1.0
-    """Nucleus sampling; < 1 needs top_k and a server with --return-sampling-mask --enable-scale-out."""
+    """Nucleus sampling, 0 < top_p <= 1; < 1 needs top_k and a server with --return-sampling-mask
+    --enable-scale-out."""
     top_k: int = 0
-    """Top-k sampling; 0 = off."""
+    """Top-k sampling; 0 = off (the server's -1 is spelled 0 here)."""
     min_p: float | None = None
-    """Min-p sampling; needs top_k."""
+    """Min-p sampling in [0, 1]; needs top_k. None or 0 = off."""
     repetition_penalty: float = 1.0
-    """Must stay 1.0 with score centering (the trainer cannot replicate a penalised distribution)."""
+    """vLLM's repetition penalty (> 0; 1.0 = none). Must stay 1.0 with score centering (the trainer cannot
+    replicate a penalised distribution)."""
     max_tool_calling_iterations: int | None = None
-    """Cap on tool-calling turns per rollout; None = until the model stops calling tools."""
+    """Cap on tool-calling turns per rollout; None = until the model stops calling tools; 0 = no tool turn (the
+    first completion that calls a tool ends the rollout)."""
 
     # ---- vLLM server ---------------------------------------------------------------------------------------------
     vllm_server_base_url: str | tuple[str, ...] = "http://localhost:8000"
@@ -163,7 +172,7 @@ class AsyncGRPOConfig:
     gets a cold sync of the current weights, then rollouts again."""
     server_rejoin_wait_s: float = 600.0
     """With no server left, how long the run waits (progress lines) for one to come back before it stops with
-    NoServerLeftError / WeightSyncError."""
+    NoServerLeftError / WeightSyncError; 0 = stop at once."""
     weight_transfer: Literal["auto", "nccl", "cpu_file", "ipc"] = "auto"
     """How weights reach the server: NCCL (servers on other GPUs), CUDA IPC (one server on the trainer's own GPU,
     vLLM's `ipc` backend, loopback URL only), or this project's cpu_file plugin backend (CPU servers). auto =
@@ -181,6 +190,8 @@ class AsyncGRPOConfig:
     """The advantage estimator and its options: `advantage:NAME --advantage.OPTION VALUE` (one subcommand per
     registered estimator; default group_std). Python: an options instance or a registered name."""
     advantage_batch_transforms: BatchTransformNames = ()
+    """Per-step advantage transforms applied in order to every sample of a step (registered names; --help lists
+    them; docs/losses.md)."""
     transform: TransformOptions = field(default_factory=TransformOptions)
     """Options of the batch transforms, by name: `--transform.NAME.OPTION VALUE` (used when NAME is selected in
     --advantage-batch-transforms). Python: an options instance in advantage_batch_transforms stands for its name."""
@@ -191,40 +202,48 @@ class AsyncGRPOConfig:
     """DAPO soft overlong punishment: completions longer than max_completion_length - this get a reward penalty
     growing linearly to -overlong_penalty_factor at max_completion_length (0 = off); applied to advantages only."""
     overlong_penalty_factor: float = 1.0
-    """Maximum overlong penalty."""
+    """Maximum overlong penalty (>= 0; 0 = no penalty)."""
 
     # ---- batching & optimisation -----------------------------------------------------------------------------------
     token_budget: int | None = None
-    """Unique tokens (and loss terms) per packed row; None = the server's max_model_len."""
+    """Unique tokens (and loss terms) per packed row; None = the server's max_model_len. Must exceed
+    max_completion_length (a sample is at least one prompt token plus its completion; one that does not fit a row
+    is dropped)."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step (>= 1)."""
     learning_rate: float = 1e-6
-    """AdamW learning rate."""
+    """AdamW learning rate (> 0)."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     """Constant by default: the number of steps per epoch is unknown in advance."""
     warmup_steps: int = 0
-    """Linear warm-up steps."""
+    """Linear warm-up steps (0 = none)."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay (0 = none)."""
     adam_beta1: float = 0.9
+    """AdamW first-moment decay, 0 <= beta1 < 1 (0 = no momentum: each step follows the current gradient only)."""
     adam_beta2: float = 0.999
+    """AdamW second-moment decay, 0 < beta2 < 1 (the averaging window of squared gradients, ~1 / (1 - beta2) steps)."""
     adam_epsilon: float = 1e-8
+    """AdamW denominator term, 0 < epsilon <= 1 (guards the division where the second moment is ~0)."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 disables)."""
+    """Gradient clipping norm (0 disables clipping)."""
     num_train_epochs: float = 3.0
-    """Passes over the prompts, counted by prompts consumed; the stop condition unless max_steps > 0."""
+    """Passes over the prompts (> 0; fractions allowed), counted by prompts consumed; the stop condition unless
+    max_steps > 0."""
     max_steps: int = -1
-    """> 0: stop after this many optimizer steps instead of by epochs."""
+    """> 0: stop after this many optimizer steps instead of by epochs; -1 = stop by num_train_epochs (0 and other
+    negatives are refused)."""
     seed: int = 42
-    """Seed for model init, data order and sampling seeds."""
+    """Seed for model init, data order and sampling seeds (0 <= seed < 2**32)."""
 
     # ---- async pipeline ----------------------------------------------------------------------------------------------
     max_concurrent_rollouts: int = 512
-    """Upper bound on rollouts in flight (also the tool thread-pool size)."""
+    """Upper bound on rollouts in flight (also the tool thread-pool size; >= 1)."""
     max_staleness: int = 4
-    """Samples more than this many weight versions old are dropped; also bounds how far generation runs ahead."""
+    """Samples more than this many weight versions old are dropped; also bounds how far generation runs ahead.
+    0 = on-policy only: a sample must come from the weights being trained."""
     weight_sync_steps: int = 1
-    """Optimizer steps between weight syncs to the server."""
+    """Optimizer steps between weight syncs to the server (>= 1)."""
     sync_check_steps: int = 10
     """Sync probe (grpo/sync_probe.py): after the first weight sync and every this many syncs, each server's
     log-probs on a fixed 16-token probe are compared with the trainer's own forward; a gap above the dtype floor
@@ -236,7 +255,7 @@ class AsyncGRPOConfig:
     rollout_worker_timeout: float = 300.0
     """Seconds without a worker heartbeat after which the trainer declares it hung."""
     score_queue_maxsize: int = 16
-    """Completed groups waiting to be scored before generation blocks."""
+    """Completed groups waiting to be scored before generation blocks (>= 1)."""
 
     # ---- trainer sharding (README "Several trainer nodes") -------------------------------------------------------
     hsdp_replicas: str = "1"
@@ -246,7 +265,13 @@ class AsyncGRPOConfig:
 
     # ---- failure handling (README "Failure policy") -------------------------------------------------------------
     progress_interval_s: float = 30.0
-    """Seconds between progress lines while waiting on something external (server start, empty sample queue)."""
+    """Seconds between progress lines while waiting on something external (server start, empty sample queue,
+    a reward function)."""
+    reward_timeout_s: float = 600.0
+    """Seconds one reward function (or an environment's get_reward()) may take on one group. Past it, the group is
+    dropped like a raising reward function (`reward_errors=drop`: counted in `rollout/dropped_reward_error_count`,
+    recorded as reward_timeout) or the run stops naming the function (`raise`). A sync function's thread cannot be
+    killed and finishes in the background. 10 minutes by default: far above a math verifier, below "hung"."""
     reward_errors: Literal["raise", "drop"] = "raise"
     """A reward function that raises: `raise` stops the run with its traceback; `drop` drops the group (counted in
     `rollout/dropped_reward_error_count`, warned about, recorded in dropped_prompts.jsonl as reward_error)."""
@@ -255,7 +280,8 @@ class AsyncGRPOConfig:
     equal or all None/NaN: GRPO gets no signal). 0 disables the check."""
     max_nonfinite_steps_in_a_row: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (no optimizer or scheduler step, no weight sync;
-    counted in `train/skipped_nonfinite_count`); this many in a row stop the run with `NonFiniteStepError`."""
+    counted in `train/skipped_nonfinite_count`); this many in a row stop the run with `NonFiniteStepError`
+    (0 = never stop for it)."""
     env_reset_retries: int = 1
     """Retries of an environment whose reset() (or constructor) raises, each on a fresh instance; when they fail
     too, the prompt is dropped: counted (`rollout/dropped_env_reset_failed_count`), warned about, and recorded in
@@ -265,13 +291,13 @@ class AsyncGRPOConfig:
     output_dir: str = "outputs/run"
     """Checkpoints, TensorBoard logs, metrics.jsonl and the reproduction bundle."""
     logging_steps: int = 1
-    """Optimizer steps per logging window."""
+    """Optimizer steps per logging window (>= 1)."""
     save_strategy: Literal["steps", "no"] = "steps"
     """`no` disables checkpoints (a long run then ends with nothing saved but the final model)."""
     save_steps: int = 500
-    """Optimizer steps between checkpoints."""
+    """Optimizer steps between checkpoints (>= 1; save_strategy=no disables them)."""
     save_total_limit: int | None = None
-    """Keep at most this many checkpoints."""
+    """Keep at most this many checkpoints (>= 1); None = keep all of them."""
     resume_from_checkpoint: str | None = None
     """Checkpoint directory, or `latest` for the newest one in output_dir."""
     report_to: tuple[Literal["tensorboard", "wandb", "trackio", "none"], ...] = ("tensorboard",)
@@ -285,15 +311,23 @@ class AsyncGRPOConfig:
     """Log a completions table (prompt, completion, reward, advantage, staleness) at each log: printed to the
     console and sent to the trackers."""
     num_completions_to_print: int | None = None
-    """Rows of that table; None = one group."""
+    """Rows of that table (>= 1); None = one group."""
+
+    def __setattr__(self, name: str, value) -> None:
+        """Frozen once built (a field set twice is refused; derive a changed config with `dataclasses.replace`).
+        Not `frozen=True`: a user's non-frozen `@dataclass` subclass (`--config-cls`) must stay legal."""
+        if name in self.__dict__:
+            from dataclasses import FrozenInstanceError
+
+            raise FrozenInstanceError(f"AsyncGRPOConfig is frozen: cannot set {name!r}; use "
+                                      f"dataclasses.replace(config, {name}=...)")
+        object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
         """Check (never change) the plug-in names: a typo from Python fails here, not in the rollout worker after
         the model loaded. `advantage` may stay a registered name; readers resolve it with estimator_options."""
         estimator_options(self.advantage)
         transform_options(self.advantage_batch_transforms, self.transform)
-        if self.ipc_bucket_mb < 1:
-            raise ValueError(f"ipc_bucket_mb={self.ipc_bucket_mb}: a bucket holds at least 1 MiB (default 256)")
 
     @property
     def num_sampler_logprobs(self) -> int:
@@ -302,9 +336,11 @@ class AsyncGRPOConfig:
 
     @property
     def vllm_server_urls(self) -> tuple[str, ...]:
-        """`vllm_server_base_url` as a tuple of distinct URLs without trailing slashes (one string = one server)."""
+        """`vllm_server_base_url` as a tuple of distinct server roots, without trailing slashes or `/v1` (one string =
+        one server)."""
         raw = self.vllm_server_base_url
-        urls = tuple(u.rstrip("/") for u in ((raw,) if isinstance(raw, str) else raw))
+        # the OpenAI-style `.../v1` users paste names the same server: its root carries /health and the dev routes
+        urls = tuple(u.rstrip("/").removesuffix("/v1") for u in ((raw,) if isinstance(raw, str) else raw))
         if not urls or len(set(urls)) != len(urls):
             raise ValueError(f"vllm_server_base_url={raw!r}: pass one or more distinct server URLs")
         for url in urls:
@@ -329,6 +365,88 @@ class AsyncGRPOConfig:
         """Groups consumed before the epoch-based stop."""
         return math.ceil(self.num_train_epochs * dataset_len)
 
+
+# ---- field domains (grpo/domains.py): every field's accepted values, checked by `check_config` before anything
+# starts. A value outside the ordinary range is accepted only as a `special` whose meaning the field's docstring
+# states. A new field needs a line here (tests/test_config_domains.py fails without one).
+SECONDS = Num(lo=0, lo_open=True, hi=MAX_WAIT_S)
+COUNT = Num(lo=1, integer=True)
+TIME_OR_ZERO = Num(lo=0, hi=MAX_WAIT_S, special={0: "at once"})
+
+FIELD_DOMAINS = {
+    "model": Text(), "dtype": LITERAL, "trust_remote_code": Flag(),
+    "router_aux_loss_coef": Num(lo=0, none="the model config's value", special={0: "disables it"}),
+    "attn_backend": LITERAL, "gradient_checkpointing": LITERAL, "bf16": Flag(none="on when CUDA is available"),
+    "one_process_fsdp": Flag(), "compile_layers": Flag(none="on when CUDA is available"), "compile_scope": LITERAL,
+    "gdn_kernel": LITERAL,
+    "lora_r": Num(lo=1, integer=True, special={0: "train the full model"}),
+    "lora_alpha": Num(lo=0, lo_open=True, none="2 x lora_r"), "lora_target_modules": Texts(),
+    "lora_sync": LITERAL, "lora_name": Text(),
+    "dataset": Text(none="the default dataset, or the environment's"), "dataset_split": Text(),
+    "reward_funcs": Texts(none="accuracy, or the environment's get_reward()"), "tools": Texts(),
+    "environment_factory": Text(none="no environment"), "loop_cls": Text(none="AsyncRolloutLoop"),
+    "chat_template_kwargs": Checked(check=chat_kwargs, what="apply_chat_template keyword arguments"),
+    "eval_dataset": Text(none="no evaluation"), "eval_dataset_split": Text(),
+    "eval_max_prompts": Num(lo=1, integer=True, none="all of them"),
+    "eval_steps": Num(lo=1, integer=True, special={0: "only the final evaluation"}),
+    "eval_num_generations": COUNT,
+    "num_generations": Num(lo=2, integer=True, hint="GRPO needs >= 2 generations per prompt to compute group "
+                                                         "advantages: each rollout is scored against its group's mean"),
+    "max_completion_length": COUNT,
+    "temperature": Num(lo=0, lo_open=True, hint="0 is greedy: the num_generations rollouts of a group would be "
+                       "identical and every group dropped for equal rewards; pass e.g. --temperature 1.0"),
+    "top_p": Num(lo=0, hi=1, lo_open=True), "top_k": Num(lo=1, integer=True, special={0: "off"}),
+    "min_p": Num(lo=0, hi=1, none="off", special={0: "off"}),
+    "repetition_penalty": Num(lo=0, lo_open=True),
+    "max_tool_calling_iterations": Num(lo=1, integer=True, none="until the model stops calling tools",
+                                       special={0: "the first tool call ends the rollout"}),
+    "vllm_server_base_url": Checked(check=server_urls, what="one or more distinct http://host:port URLs"),
+    "vllm_server_timeout": SECONDS, "sync_keeps_kv_cache": Flag(), "weight_sync_timeout": SECONDS,
+    "server_rejoin_interval_s": SECONDS, "server_rejoin_wait_s": TIME_OR_ZERO,
+    "weight_transfer": LITERAL, "ipc_bucket_mb": COUNT,
+    "loss": Checked(check=loss_options, what="a registered loss's options"),
+    "advantage": Checked(check=estimator, what="a registered estimator's options or name"),
+    "advantage_batch_transforms": Checked(what="registered transform names (checked in __post_init__)"),
+    "transform": Checked(what="the batch transforms' options (checked in __post_init__)"),
+    "drop_equal_reward_groups": Flag(),
+    "overlong_buffer_length": Num(lo=1, integer=True, special={0: "off"}),
+    "overlong_penalty_factor": Num(lo=0, special={0: "no penalty"}),
+    "token_budget": Num(lo=2, integer=True, none="the server's max_model_len"),
+    "gradient_accumulation_steps": COUNT,
+    "learning_rate": Num(lo=0, lo_open=True), "lr_scheduler_type": LITERAL,
+    "warmup_steps": Num(lo=1, integer=True, special={0: "no warm-up"}),
+    "weight_decay": Num(lo=0, special={0: "no decay"}),
+    "adam_beta1": Num(lo=0, hi=1, hi_open=True, special={0: "no momentum"}),
+    "adam_beta2": Num(lo=0, hi=1, lo_open=True, hi_open=True), "adam_epsilon": Num(lo=0, hi=1, lo_open=True),
+    "max_grad_norm": Num(lo=0, special={0: "no clipping"}),
+    "num_train_epochs": Num(lo=0, lo_open=True, hint="0 epochs would consume no prompt"),
+    "max_steps": Num(lo=1, integer=True, special={-1: "stop by num_train_epochs"}),
+    "seed": Num(lo=0, hi=2**32 - 1, integer=True, special={0: "a seed like any other"}),
+    "max_concurrent_rollouts": COUNT,
+    "max_staleness": Num(lo=1, integer=True, special={0: "on-policy samples only"},
+                         hint="a negative staleness bound marks every sample stale"),
+    "weight_sync_steps": COUNT, "sync_check_steps": Num(lo=1, integer=True, special={0: "never"}),
+    "sync_check_tolerance": Num(lo=0, lo_open=True, none="by dtype"), "rollout_worker_timeout": SECONDS, "score_queue_maxsize": COUNT,
+    "hsdp_replicas": Checked(check=hsdp, what="1, auto or a replica count"),
+    "progress_interval_s": SECONDS, "reward_timeout_s": SECONDS, "reward_errors": LITERAL,
+    "max_dropped_groups_in_a_row": Num(lo=1, integer=True, special={0: "never stop for it"}),
+    "max_nonfinite_steps_in_a_row": Num(lo=1, integer=True, special={0: "never stop for it"}),
+    "env_reset_retries": Num(lo=1, integer=True, special={0: "drop at the first failure"}),
+    "output_dir": Text(), "logging_steps": COUNT, "save_strategy": LITERAL, "save_steps": COUNT,
+    "save_total_limit": Num(lo=1, integer=True, none="keep every checkpoint"),
+    "resume_from_checkpoint": Text(none="a fresh start"), "report_to": LITERAL,
+    "run_name": Text(none="the output_dir's name"), "project": Text(), "log_completions": Flag(),
+    "num_completions_to_print": Num(lo=1, integer=True, none="one group"),
+}
+AsyncGRPOConfig.FIELD_DOMAINS = FIELD_DOMAINS  # a subclass adds its own fields' in a FIELD_DOMAINS class attribute
+
+
+AsyncGRPOConfig.CROSS_RULES = (
+    CrossRule(("lr_scheduler_type", "max_steps"), schedule_has_an_end),
+    CrossRule(("token_budget", "max_completion_length"), budget_fits_a_sample),
+    CrossRule(("overlong_buffer_length", "max_completion_length"), buffer_inside_completion),
+    CrossRule(("warmup_steps", "max_steps"), warmup_inside_steps),
+)
 
 def config_class(argv: list[str]) -> tuple[type, list[str]]:
     """`--config-cls pkg.module:MyConfig` (anywhere in argv) -> the class, and argv without it, its variadic flags

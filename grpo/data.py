@@ -45,6 +45,7 @@ def validate_prompts(dataset, source: str = "dataset", require_prompt: bool = Tr
     conversational messages. Works on a `datasets.Dataset` or a list of row dicts (the Python API)."""
     if dataset is None:
         return
+    check_dataset_type(dataset, source)
     if len(dataset) == 0:
         raise ValueError(f"{source} is empty: there is nothing to train on (check the split name and the file)")
     columns = dataset_columns(dataset)
@@ -56,6 +57,26 @@ def validate_prompts(dataset, source: str = "dataset", require_prompt: bool = Tr
     prompts = dataset["prompt"] if hasattr(dataset, "column_names") else [row.get("prompt") for row in dataset]
     for index, prompt in enumerate(prompts):
         check_conversation(prompt, f"{source} row {index}")
+
+
+def check_dataset_type(dataset, source: str) -> None:
+    """A map-style dataset (`datasets.Dataset`, a list of row dicts, anything with len() and indexing) passes; a
+    pandas DataFrame and a streaming `IterableDataset` are refused with the conversion to make.
+
+    Streaming datasets: the spec lets the worker restart one from the first prompt on resume, since it cannot be
+    repositioned. This trainer resumes by prompt position (the ledger skips every consumed position, and the
+    epochs are counted in prompts, `num_train_epochs * len(dataset)`), which a stream has neither of; it is
+    refused at start rather than trained without a resume point or an end."""
+    kind = type(dataset).__name__
+    if kind == "DataFrame":
+        raise ValueError(f"{source} is a pandas DataFrame; convert it with datasets.Dataset.from_pandas(df) (its "
+                         f"`prompt` column holding lists of {{'role', 'content'}} messages), or pass "
+                         f"df.to_dict('records')")
+    if kind == "IterableDataset" or not hasattr(dataset, "__len__"):
+        raise ValueError(f"{source} is a streaming {kind}: it has no length (the epochs are counted in prompts) and "
+                         f"cannot be repositioned on resume (a streaming dataset restarts from its first prompt, so "
+                         f"resumes would train the same prompts again). Materialise the prompts you want: "
+                         f"datasets.Dataset.from_list(list(dataset.take(N))), or load it without streaming=True")
 
 
 def dataset_columns(dataset) -> set[str]:

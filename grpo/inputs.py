@@ -31,6 +31,7 @@ def check_run_config(config: AsyncGRPOConfig):
     from grpo.trackers import check_trackers
 
     check_not_reimported()
+    check_config_values(config)
     check_model_path(config.model)
     loss_fn = loss_function(config.loss)  # an options class without a registered loss fails here
     check_advantage_config(config)  # the estimator, its options and the batch transforms, before any model loads
@@ -38,6 +39,22 @@ def check_run_config(config: AsyncGRPOConfig):
     check_trackers(config.report_to)  # a tracker whose library is missing fails here, with the pip command
     log.info("vLLM servers: %s", " ".join(config.vllm_server_urls))  # a malformed URL fails here, before the data
     return loss_fn, transforms
+
+
+def check_config_values(config: AsyncGRPOConfig) -> None:
+    """Every field against its declared domain (grpo/config.py `FIELD_DOMAINS`), before anything starts: one
+    ConfigValueError naming each bad flag and its range. A subclass's own fields without a domain are logged."""
+    from grpo.domains import check_config
+
+    unchecked = check_config(config, AsyncGRPOConfig)
+    if unchecked:
+        log.info("%s fields without a declared domain (unchecked; declare them in a FIELD_DOMAINS class attribute, "
+                 "grpo/domains.py): %s", type(config).__name__, ", ".join(unchecked))
+    raw = config.vllm_server_base_url
+    for url in (raw,) if isinstance(raw, str) else raw:
+        if url.rstrip("/").endswith("/v1"):
+            log.info("--vllm-server-base-url %s ends in /v1 (the OpenAI-style URL): the trainer uses the server root "
+                     "%s (its own routes sit beside /v1)", url, url.rstrip("/").removesuffix("/v1"))
 
 
 def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, environment_factory,
@@ -48,14 +65,6 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
     from grpo.rewards import check_reward_columns, resolve_reward
     from grpo.worker_process import check_picklable
     from grpo.tools import check_environment_names, check_tools, environment_gives_reward
-
-    if config.num_generations < 2:  # else it starts, and every group is dropped for equal rewards
-        raise ValueError(f"--num-generations {config.num_generations}: GRPO needs >= 2 generations per prompt to "
-                         f"compute group advantages (each rollout is scored against its group's mean); set "
-                         f"--num-generations 2 or more (default 8)")
-    if config.env_reset_retries < 0:
-        raise ValueError(f"--env-reset-retries {config.env_reset_retries}: pass 0 (drop the prompt at the first "
-                         f"failing reset()) or more")
 
     if tools is None:
         tools = [resolve_import(path) for path in config.tools]
@@ -94,6 +103,15 @@ def resolve_inputs(config: AsyncGRPOConfig, reward_funcs, train_dataset, tools, 
     return inputs
 
 
+def check_tokenizer(tokenizer, model: str) -> None:
+    """Rollouts render every prompt with the tokenizer's chat template: one without a template fails here, not
+    inside the rollout loop."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of --model {model!r} has no chat template (rollouts render conversational "
+                         f"prompts with apply_chat_template); use an instruct/chat checkpoint, or set "
+                         f"tokenizer.chat_template and save_pretrained it into the model directory")
+
+
 def check_model_path(model: str) -> None:
     """A `--model` that is a filesystem path must exist (named before anything contacts the server)."""
     from pathlib import Path
@@ -126,7 +144,4 @@ def resolve_eval_dataset(config: AsyncGRPOConfig, eval_dataset, environment_fact
     if eval_dataset is not None and config.eval_max_prompts is not None and config.eval_max_prompts < len(eval_dataset):
         n = config.eval_max_prompts
         eval_dataset = eval_dataset.select(range(n)) if hasattr(eval_dataset, "select") else list(eval_dataset)[:n]
-    if eval_dataset is not None and (config.eval_num_generations < 1 or config.eval_steps < 0):
-        raise ValueError(f"--eval-num-generations {config.eval_num_generations} --eval-steps {config.eval_steps}: "
-                         f"pass k >= 1 and eval_steps >= 0 (0 = only the final evaluation)")
     return eval_dataset

@@ -175,7 +175,7 @@ class ConsumedGroup:
     the resume point. reason: "filtered" (filter_prompt said no), "env_reset_failed" (an environment's reset()
     kept failing after `env_reset_retries` retries), or a scoring drop: "equal_rewards", "unscored" (every reward
     None/NaN), "no_samples" (no rollout produced a trainable token), "reward_error" (a reward function raised and
-    reward_errors="drop")."""
+    reward_errors="drop"), "reward_timeout" (one ran past reward_timeout_s and reward_errors="drop")."""
 
     group_id: int
     reason: str

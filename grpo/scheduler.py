@@ -27,10 +27,11 @@ from grpo.data import text_messages
 from grpo.flow_control import ConcurrencyCap, TokenAllowance
 from grpo.multiturn import FoldStats, fold_turns
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
-from grpo.scoring import RewardFunctionError, group_metrics, is_kept, rollout_metrics, score_group
+from grpo.scoring import (RewardFunctionError, group_metrics, is_kept, rollout_metrics, score_group,
+                          timed_get_reward)
 from grpo.server_pool import GroupHome, NoServerLeftError, Server, ServerPool
 from grpo.shared_state import LoopOptions, SharedState
-from grpo.tools import (EnvironmentPool, EnvResetError, call_tool, environment_tools, in_pool, tool_schema,
+from grpo.tools import (EnvironmentPool, EnvResetError, call_tool, environment_tools, tool_schema,
                         with_env_prompt)
 
 if TYPE_CHECKING:  # a plug-in module may subclass the loop; grpo.config imports plug-ins (no cycle)
@@ -170,7 +171,8 @@ class RolloutScheduler:
             env_reward = None
             if env is not None and callable(getattr(env, "get_reward", None)):
                 t0 = time.perf_counter()
-                value = await in_pool(self._pool, env.get_reward)
+                value = await timed_get_reward(env, self._pool, self.config.reward_timeout_s,
+                                               self.config.reward_errors, f"prompt {self.dataset_start_index + group_id}")
                 self._push("env/reward_s", time.perf_counter() - t0)
                 env_reward = (type(env), value)  # checked and converted at scoring (named TypeError, NaN/inf rule)
         finally:
@@ -273,12 +275,12 @@ class RolloutScheduler:
         """reward_errors="drop": the group leaves as a ConsumedGroup "reward_error" (counted by the trainer in
         rollout/dropped_reward_error_count, recorded in dropped_prompts.jsonl); the first traceback is logged."""
         self._reward_error_drops += 1
-        log.warning("dropping prompt %d (reason reward_error): %s; %d groups dropped for reward errors so far "
+        log.warning("dropping prompt %d (reason %s): %s; %d groups dropped for reward errors so far "
                     "(reward_errors=drop; set --reward-errors raise to stop at the first)",
-                    self.dataset_start_index + group.group_id, exc, self._reward_error_drops,
+                    self.dataset_start_index + group.group_id, exc.reason, exc, self._reward_error_drops,
                     exc_info=exc.cause if self._reward_error_drops == 1 else None)
         self.allowance.group_finished(sum(len(s) for seq in group.completions_sequences for s in seq))
-        self.shared.put_sample(ConsumedGroup(group.group_id, "reward_error"))
+        self.shared.put_sample(ConsumedGroup(group.group_id, exc.reason))
         self._score_queue.task_done()
         self._flush_metrics()
 
@@ -305,7 +307,9 @@ class RolloutScheduler:
             self._push("rollout/score_wait_s", time.monotonic() - group.queued_at)
             start = time.perf_counter()
             try:
-                sources = await score_group(group, self.reward_funcs, self.config.reward_errors)
+                sources = await score_group(group, self.reward_funcs, self.config.reward_errors,
+                                            self.config.reward_timeout_s, self.config.progress_interval_s,
+                                            f"prompt {self.dataset_start_index + group.group_id}")
             except RewardFunctionError as exc:  # reward_errors="drop"
                 self._drop_reward_error(group, exc)
                 continue

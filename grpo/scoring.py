@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -76,18 +77,83 @@ def _as_rewards(values: Any, n: int, source: str) -> tuple[np.ndarray, list[floa
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised while scoring a group (reward_errors="drop": the group is dropped, counted)."""
+    """A reward function raised (reason reward_error) or ran past reward_timeout_s (reason reward_timeout) while
+    scoring a group, under reward_errors="drop": the group is dropped and counted by `reason`."""
 
-    def __init__(self, source: str, cause: BaseException):
-        self.source, self.cause = source, cause
-        super().__init__(f"reward function {source!r} raised {type(cause).__name__}: {cause}")
+    def __init__(self, source: str, cause: BaseException, reason: str = "reward_error"):
+        self.source, self.cause, self.reason = source, cause, reason
+        what = source if " " in source else f"reward function {source!r}"
+        super().__init__(f"{what} raised {type(cause).__name__}: {cause}")
 
 
-async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
-                      reward_errors: str = "raise") -> dict[str, np.ndarray]:
+class RewardTimeoutError(TimeoutError):
+    """A reward function (or an environment's get_reward()) ran past `--reward-timeout-s` on one group."""
+
+    def __init__(self, source: str, timeout_s: float, where: str):
+        self.source = source
+        super().__init__(f"{source} did not return within {timeout_s:g} s on {where} (--reward-timeout-s): make it "
+                         f"faster or give it its own timeout, raise --reward-timeout-s, or pass --reward-errors drop "
+                         f"to drop such groups (counted in rollout/dropped_reward_timeout_count)")
+
+
+class TimedOutReward:
+    """What an environment's get_reward() stands for when it ran past the timeout under reward_errors="drop":
+    scoring turns it into a reward_timeout drop of the whole group (`score_group`)."""
+
+    def __init__(self, error: RewardTimeoutError):
+        self.error = error
+
+
+async def timed_get_reward(env, pool, timeout_s: float | None, reward_errors: str, where: str):
+    """`env.get_reward()` (sync ones in `pool`) bounded by `timeout_s`: its value; past the timeout a
+    RewardTimeoutError (`raise`) or a `TimedOutReward` that drops the group at scoring (`drop`)."""
+    call = env.get_reward() if is_async_callable(env.get_reward) else \
+        asyncio.get_running_loop().run_in_executor(pool, env.get_reward)
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        error = RewardTimeoutError(f"environment {type(env).__name__}.get_reward()", timeout_s, where)
+        if reward_errors == "drop":
+            return TimedOutReward(error)
+        raise error from None
+
+
+async def _await_rewards(calls: list, names: list[str], timeout_s: float | None, progress_every: float,
+                         where: str) -> list:
+    """Await every reward call; a progress line every `progress_every` s names those still running on `where` and
+    for how long; past `timeout_s` the first still running raises RewardTimeoutError (the rest are cancelled; a sync
+    function's thread finishes in the background, its result discarded). Returns results or exceptions, in order."""
+    import time
+
+    from grpo.progress import WaitProgress
+
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    progress = WaitProgress(f"reward functions on {where}", progress_every, logging.getLogger("grpo.rollout"))
+    pending = set(tasks)
+    while pending:
+        left = None if timeout_s is None else timeout_s - progress.waited_s
+        if left is not None and left <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(progress_every, left if left is not None else math.inf))
+        if pending:
+            running = [name for name, task in zip(names, tasks) if task in pending]
+            progress.tick(f"{', '.join(running)} still running (reward_timeout_s={timeout_s:g})")
+    if pending:
+        for task in pending:
+            task.cancel()
+        late = next(name for name, task in zip(names, tasks) if task in pending)
+        raise RewardTimeoutError(f"reward function {late!r}", timeout_s, where)
+    return [task.exception() or task.result() for task in tasks]
+
+
+async def score_group(group: RolloutGroup, reward_funcs: list[Callable], reward_errors: str = "raise",
+                      timeout_s: float | None = None, progress_every: float = 30.0,
+                      where: str = "a group") -> dict[str, np.ndarray]:
     """Per-source rewards [G] keyed by source name; sets `group.rewards` to their NaN-aware sum and
     `group.nonfinite_rewards` to the NaN/±inf values each source returned (scored as None). A reward function
-    that raises: its exception propagates (`raise`), or becomes a RewardFunctionError naming it (`drop`)."""
+    that raises: its exception propagates (`raise`), or becomes a RewardFunctionError naming it (`drop`). One that
+    runs past `timeout_s`: RewardTimeoutError naming it and `where` (`raise`), or a RewardFunctionError with reason
+    reward_timeout (`drop`); an environment's get_reward() that timed out (`timed_get_reward`) likewise."""
     n = len(group.completions)
     kwargs = dict(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids,
                   **group.reward_kwargs)
@@ -102,8 +168,22 @@ async def score_group(group: RolloutGroup, reward_funcs: list[Callable],
         if bad:
             nonfinite[key] = bad
 
-    results = await asyncio.gather(*calls, return_exceptions=reward_errors == "drop")
+    late = next((env[1] for env in group.env_rewards if env is not None and isinstance(env[1], TimedOutReward)),
+                None)
+    if late is not None:
+        for call in calls:  # not awaited: the group is dropped anyway
+            call.cancel() if isinstance(call, asyncio.Future) else call.close()
+        raise RewardFunctionError(late.error.source, late.error, reason="reward_timeout")
+    try:
+        results = await _await_rewards(calls, [reward_name(fn) for fn in reward_funcs], timeout_s, progress_every,
+                                       where)
+    except RewardTimeoutError as exc:
+        if reward_errors == "drop":
+            raise RewardFunctionError(exc.source, exc, reason="reward_timeout") from exc
+        raise
     for fn, values in zip(reward_funcs, results):
+        if isinstance(values, Exception) and reward_errors != "drop":
+            raise values
         if isinstance(values, Exception):
             raise RewardFunctionError(reward_name(fn), values) from values
         name = reward_name(fn)

@@ -44,6 +44,21 @@ class VLLMServerError(RuntimeError):
         super().__init__(f"{text}\n  Fix: {hint}" if hint else text)
 
 
+NOT_VLLM_AFTER_S = 60.0
+"""An HTTP server answering /health with anything but 200 for this long is not (or no longer) a vLLM server."""
+
+
+class NotVLLMServerError(ConnectionError):
+    """Something answers HTTP at the URL, but not as a vLLM server does (GET /health is not 200)."""
+
+    def __init__(self, base_url: str, answer, waited_s: float):
+        server = answer.headers.get("server", "no Server header")
+        super().__init__(f"{base_url} answers HTTP but is not a vLLM server: GET /health -> {answer.status_code} "
+                         f"({server}; body {answer.text[:120]!r}) for {waited_s:.0f} s. Check --vllm-server-base-url "
+                         f"(the server root http://host:port of `vllm serve` / `python rollout.py serve`, not another "
+                         f"service's port)")
+
+
 class ServerUnreachableError(ConnectionError):
     """A vLLM server did not answer (refused, reset or timed out) after the client's retries."""
 
@@ -158,12 +173,17 @@ class VLLMControl(LoraRoutes):
 
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         progress = WaitProgress(f"the vLLM server at {self.base_url} (GET /health)", progress_every)
-        last_error = "no answer"
+        last_error, answering_since = "no answer", None
         while True:
             try:
-                if self._http.get("/health", timeout=5.0).status_code == 200:
+                answer = self._http.get("/health", timeout=5.0)
+                if answer.status_code == 200:
                     return
-                last_error = "health check not 200 yet"
+                last_error = f"health check answered {answer.status_code}, not 200 yet"
+                answering_since = answering_since or time.monotonic()
+                # vLLM listens only once ready and never answers 404 on /health: something else holds the port
+                if answer.status_code == 404 or time.monotonic() - answering_since > NOT_VLLM_AFTER_S:
+                    raise NotVLLMServerError(self.base_url, answer, time.monotonic() - answering_since)
             except httpx.TransportError as exc:
                 last_error = f"{type(exc).__name__}: {exc}"
             if time.monotonic() >= deadline:

@@ -374,8 +374,10 @@ def test_ipc_bucket_size_is_a_run_option(fake_ipc):
     from grpo.config import AsyncGRPOConfig
     from grpo.server_facts import sync_config
 
-    with pytest.raises(ValueError, match="ipc_bucket_mb"):
-        AsyncGRPOConfig(model="m", ipc_bucket_mb=0)
+    from grpo.inputs import check_config_values
+
+    with pytest.raises(ValueError, match="--ipc-bucket-mb 0"):
+        check_config_values(AsyncGRPOConfig(model="m", ipc_bucket_mb=0))
     import transformers as tf
 
     torch.manual_seed(0)

@@ -74,10 +74,13 @@ class UnscoredEnv:
 
 
 def resolve(config=None, **kw):
-    from grpo.inputs import resolve_inputs
+    """The start checks `train.build` runs before any model loads: the config's domains, then the inputs."""
+    from grpo.inputs import check_config_values, resolve_inputs
 
     args = dict(reward_funcs=None, train_dataset=None, tools=None, environment_factory=None, loop_cls=None) | kw
-    return resolve_inputs(config or AsyncGRPOConfig(dataset="builtin:letters", reward_funcs=("letters",)), **args)
+    config = config or AsyncGRPOConfig(dataset="builtin:letters", reward_funcs=("letters",))
+    check_config_values(config)
+    return resolve_inputs(config, **args)
 
 
 BAD_INPUTS = {
