@@ -9,12 +9,14 @@
 #   bash scripts/gpu_outcomes.sh trl_a          # device, carry .models/carry/trl_a: stash TRL's heavy wheels
 #   bash scripts/gpu_outcomes.sh trl            # device, carry .models/carry/trl_b .whl: TRL on the real task
 #   bash scripts/gpu_outcomes.sh shape          # device, carry .gpuvllm .whl (after trl): both trainers, Qwen3-0.6B shape
+#   FROM=/tmp/outc bash scripts/gpu_outcomes.sh collect   # device, warm: the train stage run in the background
+#                                               # (setsid, OUT=/tmp/outc) packed without checkpoints into $OUT
 #   bash scripts/gpu_outcomes.sh report         # anywhere: curves.json, curves.png and a table from $OUT/*
 # DRY_RUN=1 prints each stage's commands instead of running them (tests/test_gpu_outcomes.py runs every stage so).
 # Knobs: STEPS (optimizer steps a run; default 30), LR (learning rate; the workload's by default), RUN_TIMEOUT (s a training run; 200), PORT (8000), OUT (the call's $OUT; outputs/outcomes here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?"usage: gpu_outcomes.sh prepare|model_a|model_b|train|trl_a|trl|shape|report"}
+STAGE=${1:?"usage: gpu_outcomes.sh prepare|model_a|model_b|train|collect|trl_a|trl|shape|report"}
 OUT=${OUT:-outputs/outcomes}; mkdir -p "$OUT"
 STEPS=${STEPS:-30}; PORT=${PORT:-8000}; URL=http://127.0.0.1:$PORT
 CARRY=.models/carry; STASH=.models/device; MODEL=$STASH/smollm2-135m-instruct
@@ -26,7 +28,9 @@ device_setup() {  # the vLLM 0.26 GPU bundle (unpacked to /tmp/site), the traine
   [ -f .gpuvllm/device_serve.sh ] || { echo "carry .gpuvllm (the vLLM 0.26 bundle, docs/real_model.md)"; exit 2; }
   . .gpuvllm/device_serve.sh || exit 1
   # the trainer's wheels (.whl: tyro & co.) and those model_b stashed (math-verify for the accuracy reward)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $STASH/wheels/*.whl || exit 1
+  # one file per package: pip refuses two copies of one wheel (.whl may carry what model_b stashed)
+  wheels=$(ls .whl/*.whl $STASH/wheels/*.whl 2>/dev/null | awk -F/ '!seen[$NF]++')
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels || exit 1
   mkdir -p /tmp/site/async_grpo-0.1.0.dist-info
   printf 'Metadata-Version: 2.1\nName: async-grpo\nVersion: 0.1.0\n' > /tmp/site/async_grpo-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\ngrpo_cpu_weight_transfer = grpo.vllm_plugin:register\n' \
@@ -101,7 +105,12 @@ case $STAGE in
     x vllm_stop "$PORT"
     install_trl
     x timeout 250 python3 scripts/bench_vs_trl.py --workload shape --side trl --out "$OUT/shape_trl" ;;
+  collect)  # a later call on the warm machine: the run's small files (no checkpoints) into the call's $OUT
+    [ -n "${FROM:-}" ] || { echo "FROM=the train stage's OUT folder"; exit 2; }
+    x tar czf "$OUT/outcomes.tgz" --exclude='checkpoint-*' --exclude='*.safetensors' --exclude='vllm_*.log' \
+      -C "$(dirname "$FROM")" "$(basename "$FROM")"
+    x sh -c "tail -c 4000000 '$FROM'/vllm_*.log | gzip > '$OUT/vllm_tail.log.gz'" ;;
   report)
     x python3 scripts/bench_vs_trl.py --report "$OUT" --baseline "$OUT/baseline.json" ;;
-  *) echo "unknown stage $STAGE: prepare|model_a|model_b|train|trl_a|trl|shape|report"; exit 2 ;;
+  *) echo "unknown stage $STAGE: prepare|model_a|model_b|train|collect|trl_a|trl|shape|report"; exit 2 ;;
 esac
