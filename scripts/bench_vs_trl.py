@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -208,9 +209,13 @@ def run_trl(s: BenchSettings, out: Path) -> None:
 
     config = trl.GRPOConfig(**trl_config_kwargs(s, str(out / "checkpoints")))
     print(f"TRL {trl.__version__} GRPOConfig:\n{config.to_json_string()}", flush=True)
+    use_attention_backend(os.environ.get("GPUVLLM_ATTN", "TRITON_ATTN"))
     held_out = list(load_prompts(s.eval_dataset))[:s.eval_prompts] if s.eval_dataset else []
     curve = open(out / "curve.jsonl", "w")
-    state_box = {"eval_s": 0.0}
+    # the training clock starts when TRL's trainer does (its colocated vLLM engine is built by then, as our server
+    # is before our trainer starts) and leaves out TRL's evaluations, which pause its training (ours overlap with
+    # training and stay in our clock)
+    state_box = {"eval_s": 0.0, "t0": None}
 
     class Curve(TrainerCallback):
         def write(self, record: dict) -> None:
@@ -224,9 +229,12 @@ def run_trl(s: BenchSettings, out: Path) -> None:
             metrics = trl_eval(trainer, s, held_out)
             state_box["eval_s"] += time.time() - t
             self.write({"step": step, "samples": step * s.samples_per_step, "wall_s": t - start,
-                        "train_wall_s": t - start - state_box["eval_s"] + (time.time() - t), **metrics})
+                        "train_wall_s": t - state_box["t0"] - (state_box["eval_s"] - (time.time() - t)),
+                        "eval_s": time.time() - t, **metrics})
 
         def on_train_begin(self, args, state, control, **kwargs):
+            state_box["t0"] = time.time()
+            print(f"TRL start-up (imports, model, colocated vLLM engine): {state_box['t0'] - start:.1f} s", flush=True)
             self.evaluate(0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -234,7 +242,7 @@ def run_trl(s: BenchSettings, out: Path) -> None:
             # trained tokens as ours counts them: completion tokens of the step's samples
             trained = logs.get("completions/mean_length", 0.0) * s.samples_per_step
             self.write({"step": state.global_step, "time": time.time(), "wall_s": time.time() - start,
-                        "train_wall_s": time.time() - start - state_box["eval_s"],
+                        "train_wall_s": time.time() - state_box["t0"] - state_box["eval_s"],
                         "batch/trained_tokens_per_step": trained, **logs})
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -251,6 +259,22 @@ def run_trl(s: BenchSettings, out: Path) -> None:
     curve.close()
 
 
+def use_attention_backend(backend: str) -> None:
+    """TRL builds its colocated `vllm.LLM` without an attention-backend argument, and vLLM 0.26 has no environment
+    variable for it: pass the backend our server uses (the GPU bundle has no FlashAttention), so both sides generate
+    with the same kernels."""
+    import trl.generation.vllm_generation as generation
+
+    build = generation.LLM
+
+    def llm(*args, **kwargs):
+        kwargs.setdefault("attention_backend", backend)
+        print(f"TRL's colocated vLLM: attention_backend={kwargs['attention_backend']}", flush=True)
+        return build(*args, **kwargs)
+
+    generation.LLM = llm
+
+
 def run_ours(s: BenchSettings, out: Path, base_url: str, max_staleness: int) -> int:
     """train.py against a running server; the step-0 point is scripts/eval_heldout.py's, taken by the caller."""
     import subprocess
@@ -264,19 +288,25 @@ def run_ours(s: BenchSettings, out: Path, base_url: str, max_staleness: int) -> 
 
 
 def load_curve(run: Path) -> tuple[list[dict], list[dict]]:
-    """(step records, eval records) of one run: ours (metrics.jsonl + wall.json) or TRL's (curve.jsonl)."""
+    """(step records, eval records) of one run: ours (metrics.jsonl + wall.json) or TRL's (curve.jsonl). Every
+    record gets `train_wall_s`, the run's training clock: TRL's from its trainer's start with its (pausing)
+    evaluations left out; ours from the train.py process start (model load and compile included), evaluations
+    included since they overlap with training. An eval point sits where its weights were made: TRL's at the step it
+    ran after, ours at the step that produced weight version v (v - 1: version 1 is the cold sync of the step-0
+    weights)."""
     if (run / "curve.jsonl").exists():
         records = [json.loads(line) for line in open(run / "curve.jsonl")]
         return [r for r in records if "eval/reward" not in r], [r for r in records if "eval/reward" in r]
     start = json.loads((run / "wall.json").read_text())["start"]
-    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
     steps, evals = [], []
-    for r in records:
-        r = r | {"wall_s": r["time"] - start}
+    for r in map(json.loads, open(run / "metrics.jsonl")):
+        r = r | {"wall_s": r["time"] - start, "train_wall_s": r["time"] - start}
         (evals if "eval/reward" in r else steps).append(r)
     per_step = next((r["batch/samples_per_step"] for r in steps if "batch/samples_per_step" in r), 0)
+    step_time = {r["step"]: r["train_wall_s"] for r in steps if "step" in r}
     for r in evals:
-        r["samples"] = r.get("eval/model_version", r["step"]) * per_step
+        trained = int(r.get("eval/model_version", r["step"] + 1)) - 1
+        r.update(step=trained, samples=trained * per_step, train_wall_s=step_time.get(trained, r["train_wall_s"]))
     return steps, evals
 
 
@@ -290,37 +320,79 @@ def throughput(steps: list[dict], warmup: int = 3) -> dict:
     return {"steps_per_s": (len(steady) - 1) / seconds, "trained_tokens_per_s": tokens / seconds}
 
 
-def report(folder: Path, baseline: Path | None) -> None:
-    """Curves of every run under `folder` (held-out greedy accuracy and pass@k vs seconds and vs samples, the
-    step-0 baseline first) -> folder/curves.json and folder/curves.png, and a steps/s table."""
+def time_to(points: list[dict], target: float) -> float | None:
+    """Training-clock seconds at the first eval point whose greedy accuracy reaches `target` (None: never)."""
+    return next((p["train_wall_s"] for p in points if p["eval/reward"] is not None and p["eval/reward"] >= target - 1e-9),
+                None)
+
+
+def report(folder: Path, baseline: Path | None) -> dict:
+    """Curves of every run under `folder` (held-out greedy accuracy and pass@k vs the training clock and vs samples,
+    the step-0 baseline first) -> folder/curves.json, folder/curves.png and the comparisons the outcomes issue asks
+    for, printed: every eval point, gain over step 0 with its interval, time to the peer's final accuracy."""
+    from eval_heldout import wilson_interval
+
     runs = {p.parent.name: load_curve(p.parent) for p in sorted(folder.glob("*/*.json*"))
-            if p.name in ("curve.jsonl", "wall.json")}
+            if p.name in ("curve.jsonl", "wall.json") and (p.parent / ("curve.jsonl" if p.name == "curve.jsonl"
+                                                                          else "metrics.jsonl")).exists()}
     base = json.loads(baseline.read_text()) if baseline and baseline.exists() else None
     curves = {}
     for name, (steps, evals) in runs.items():
-        points = [{"wall_s": 0.0, "samples": 0, "eval/reward": base["greedy_accuracy"],
+        points = [{"step": 0, "train_wall_s": 0.0, "samples": 0, "eval/reward": base["greedy_accuracy"],
                    "eval/pass@k": base.get(f"pass@{base.get('k', 0)}")}] if base and name != "trl" else []
-        points += [{k: r.get(k) for k in ("wall_s", "samples", "eval/reward", "eval/pass@k")} for r in evals]
+        points += [{k: r.get(k) for k in ("step", "train_wall_s", "samples", "eval/reward", "eval/pass@k")}
+                   for r in evals]
         curves[name] = {"points": points, **throughput(steps)}
-        print(f"{name}: {json.dumps(curves[name]['points'][-1:] if points else [])} {throughput(steps)}")
-    (folder / "curves.json").write_text(json.dumps(curves, indent=1))
-    import matplotlib
-
+        print(f"{name}: {len(steps)} steps, {throughput(steps)}")
+        for p in points:
+            print(f"  step {p['step']:>4}  t {p['train_wall_s']:7.1f} s  samples {p['samples']:>6}  "
+                  f"greedy {p['eval/reward']:.3f}  pass@k {p['eval/pass@k'] if p['eval/pass@k'] is None else round(p['eval/pass@k'], 3)}")
+    n = int(base["num_prompts"]) if base else 0
+    summary = {}
+    start = base["greedy_accuracy"] if base else None
+    for name, curve in curves.items():
+        pts = [p for p in curve["points"] if p["eval/reward"] is not None]
+        if not pts:
+            continue
+        first, last = pts[0]["eval/reward"], pts[-1]["eval/reward"]
+        zero = start if start is not None and name != "trl" else first
+        low, high = wilson_interval(round(last * n), n) if n else (float("nan"), float("nan"))
+        summary[name] = {"step0": zero, "final": last, "final_ci95": [low, high], "final_t": pts[-1]["train_wall_s"],
+                         "gain_points": 100 * (last - zero), "t_to_plus20": time_to(pts, zero + 0.20),
+                         "t_to_own_final": time_to(pts, last)}
+        print(f"{name}: held-out greedy {zero:.3f} -> {last:.3f} (95 % [{low:.3f}, {high:.3f}], n={n}) = "
+              f"{100 * (last - zero):+.1f} points at t={pts[-1]['train_wall_s']:.0f} s; +20 points first at "
+              f"{summary[name]['t_to_plus20']} s")
+    for peer in ("trl", "sync"):
+        if peer in summary and "async" in curves:
+            target = summary[peer]["final"]
+            ours_t = time_to(curves["async"]["points"], target)
+            peer_t = summary[peer]["t_to_own_final"]
+            ratio = ours_t / peer_t if ours_t is not None and peer_t else None
+            summary[f"async_vs_{peer}"] = {"target": target, "async_s": ours_t, "peer_s": peer_t, "ratio": ratio}
+            print(f"time to {peer}'s final accuracy {target:.3f}: async {ours_t} s, {peer} {peer_t} s, ratio {ratio}")
+    (folder / "curves.json").write_text(json.dumps({"curves": curves, "summary": summary}, indent=1))
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no curves.png (curves.json has the points)")
+        return summary
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, curve in curves.items():
-        for ax, x in zip(axes, ("wall_s", "samples")):
+        for ax, x in zip(axes, ("train_wall_s", "samples")):
             xs = [p[x] for p in curve["points"]]
             ax.plot(xs, [p["eval/reward"] for p in curve["points"]], marker="o", label=f"{name} greedy")
             ax.plot(xs, [p["eval/pass@k"] for p in curve["points"]], linestyle="--", label=f"{name} pass@k")
-    for ax, label in zip(axes, ("wall-clock seconds", "samples trained")):
+    for ax, label in zip(axes, ("training seconds", "samples trained")):
         ax.set_xlabel(label)
         ax.set_ylabel("held-out accuracy")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(folder / "curves.png", dpi=120)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -334,15 +406,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="override the workload's model path")
     parser.add_argument("--max-steps", type=int, default=None, help="override the workload's optimizer steps")
     parser.add_argument("--learning-rate", type=float, default=None, help="override the workload's learning rate")
+    parser.add_argument("--eval-steps", type=int, default=None, help="override the workload's evaluation interval")
     parser.add_argument("--report", type=Path, default=None, help="summarise the runs under this folder")
     parser.add_argument("--baseline", type=Path, default=None, help="eval_heldout.py JSON: the step-0 point")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.report:
-        return report(args.report, args.baseline)
+        report(args.report, args.baseline)
+        return
     s = WORKLOADS[args.workload]
     s = dataclasses.replace(s, **{k: v for k, v in (("model", args.model), ("max_steps", args.max_steps),
-                                                     ("learning_rate", args.learning_rate)) if v})
+                                                     ("learning_rate", args.learning_rate),
+                                                     ("eval_steps", args.eval_steps)) if v})
     if args.dry_run or not args.side:
         return print_dry_run(args.workload, s)
     args.out.mkdir(parents=True, exist_ok=True)

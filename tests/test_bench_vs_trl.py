@@ -82,26 +82,50 @@ def test_trl_field_names_exist_in_its_source(tmp_path):
         zipfile.ZipFile(wheel).read("trl/import_utils.py").decode()  # the vLLM range that admits the 0.26 bundle
 
 
-def test_report_builds_curves_from_both_kinds_of_run(tmp_path):
-    """Our run (metrics.jsonl + wall.json) and TRL's (curve.jsonl) -> curves.json: the step-0 baseline first for
-    ours, samples = weight version x samples per step, steady-state steps/s and trained tok/s."""
+def write_ours(folder, start, step_s, evals, per_step=128):
+    """A run of ours: metrics.jsonl with one record a step (step i at start + 10 + step_s * i) and eval records at
+    weight versions (version v = the weights after step v - 1)."""
     import json
 
-    ours, trl = tmp_path / "async", tmp_path / "trl"
-    ours.mkdir(), trl.mkdir()
-    (ours / "wall.json").write_text(json.dumps({"start": 1000.0}))
-    steps = [{"step": i, "time": 1000.0 + 10 + 2 * i, "batch/samples_per_step": 128,
-              "batch/trained_tokens_per_step": 5000} for i in range(1, 9)]
-    evals = [{"step": 8, "time": 1030.0, "eval/reward": 0.4, "eval/pass@k": 0.6, "eval/model_version": 8}]
-    (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
-    (trl / "curve.jsonl").write_text(json.dumps({"step": 0, "samples": 0, "wall_s": 5.0, "eval/reward": 0.1,
-                                                 "eval/pass@k": 0.3}) + "\n")
+    folder.mkdir()
+    (folder / "wall.json").write_text(json.dumps({"start": start}))
+    last = max(v for v, _ in evals)
+    records = [{"step": i, "time": start + 10 + step_s * i, "batch/samples_per_step": per_step,
+                "batch/trained_tokens_per_step": 5000} for i in range(1, last)]
+    records += [{"step": v - 1, "time": start + 10 + step_s * v + 3, "eval/reward": acc, "eval/pass@k": acc + 0.1,
+                 "eval/model_version": v} for v, acc in evals]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_report_builds_curves_from_both_kinds_of_run(tmp_path):
+    """Our runs (metrics.jsonl + wall.json) and TRL's (curve.jsonl) -> curves.json: the step-0 baseline first for
+    ours, an eval point placed at the step that made its weights, steady-state steps/s and trained tok/s, and the
+    comparisons: points gained, time to +20 points, time to the peer's final accuracy and the ratio."""
+    import json
+
+    write_ours(tmp_path / "async", 1000.0, 2.0, [(6, 0.30), (11, 0.40)])  # steps 5 and 10: t = 20 s and 30 s
+    write_ours(tmp_path / "sync", 5000.0, 4.0, [(6, 0.20), (11, 0.30)])   # steps 5 and 10: t = 30 s and 50 s
+    trl = tmp_path / "trl"
+    trl.mkdir()
+    (trl / "curve.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "samples": 0, "train_wall_s": 0.0, "eval/reward": 0.13, "eval/pass@k": 0.3},
+        {"step": 1, "time": 1.0, "train_wall_s": 4.0, "batch/trained_tokens_per_step": 100},
+        {"step": 10, "samples": 1280, "train_wall_s": 80.0, "eval/reward": 0.25, "eval/pass@k": 0.5}]))
     baseline = tmp_path / "baseline.json"
-    baseline.write_text(json.dumps({"greedy_accuracy": 0.125, "k": 4, "pass@4": 0.3}))
-    bench_vs_trl.report(tmp_path, baseline)
-    curves = json.loads((tmp_path / "curves.json").read_text())
-    assert curves["async"]["points"] == [{"wall_s": 0.0, "samples": 0, "eval/reward": 0.125, "eval/pass@k": 0.3},
-                                         {"wall_s": 30.0, "samples": 8 * 128, "eval/reward": 0.4, "eval/pass@k": 0.6}]
-    assert curves["async"]["steps_per_s"] == pytest.approx(0.5)  # steps 4..8, 2 s apart
+    baseline.write_text(json.dumps({"greedy_accuracy": 0.125, "num_prompts": 256, "k": 4, "pass@4": 0.3}))
+    summary = bench_vs_trl.report(tmp_path, baseline)
+    curves = json.loads((tmp_path / "curves.json").read_text())["curves"]
+    assert curves["async"]["points"][0] == {"step": 0, "train_wall_s": 0.0, "samples": 0, "eval/reward": 0.125,
+                                            "eval/pass@k": 0.3}
+    assert curves["async"]["points"][1] == {"step": 5, "train_wall_s": 20.0, "samples": 5 * 128, "eval/reward": 0.3,
+                                            "eval/pass@k": pytest.approx(0.4)}
+    assert curves["async"]["steps_per_s"] == pytest.approx(0.5)  # steps 4..9, 2 s apart
     assert curves["async"]["trained_tokens_per_s"] == pytest.approx(2500)
-    assert curves["trl"]["points"][0]["eval/reward"] == 0.1 and (tmp_path / "curves.png").stat().st_size > 0
+    assert curves["trl"]["points"][0]["eval/reward"] == 0.13 and (tmp_path / "curves.png").stat().st_size > 0
+    assert summary["async"]["gain_points"] == pytest.approx(27.5) and summary["async"]["t_to_plus20"] == 30.0
+    assert summary["trl"]["step0"] == 0.13 and summary["trl"]["t_to_plus20"] is None  # TRL's own step 0
+    # TRL's final 0.25 reached by async at 20 s (0.30 >= 0.25) against TRL's 80 s; sync's 0.30 at 20 s vs 50 s
+    assert summary["async_vs_trl"] == {"target": 0.25, "async_s": 20.0, "peer_s": 80.0, "ratio": 0.25}
+    assert summary["async_vs_sync"]["ratio"] == pytest.approx(20.0 / 50.0)
+    low, high = summary["async"]["final_ci95"]
+    assert low < 0.40 < high and high - low < 0.13  # n = 256

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("prepare", "model_a", "model_b", "train", "trl_a", "trl", "shape", "report")
+STAGES = ("prepare", "model_a", "model_b", "train", "all", "trl_a", "trl", "shape", "report")
 CALL_LIMIT = 64 * 2**20
 
 
@@ -34,6 +34,11 @@ def test_stages_hand_each_other_the_same_paths(tmp_path):
     assert "--side ours" in out["shape"] and "--side trl" in out["shape"]
     stash = re.search(r"cp \S+ (\S+)/trl_wheels/", out["trl_a"]).group(1)
     assert f"{stash}/trl_wheels/*.whl" in out["trl"]
+    # `all`: the baseline, async, sync, our server stopped, then TRL on the freed card, then the report
+    order = [out["all"].index(mark) for mark in ("eval_heldout.py", "--max-staleness 4", "--max-staleness 0",
+                                                  "vllm_stop", "--side trl", "--report")]
+    assert order == sorted(order), out["all"]
+    assert out["all"].count(f"--model {model} ") == 3
 
 
 def test_each_call_carries_under_the_limit():
