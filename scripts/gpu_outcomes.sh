@@ -15,7 +15,7 @@
 #                                               # (setsid, OUT=/tmp/outc) packed without checkpoints into $OUT
 #   bash scripts/gpu_outcomes.sh report         # anywhere: curves.json, curves.png and a table from $OUT/*
 # DRY_RUN=1 prints each stage's commands instead of running them (tests/test_gpu_outcomes.py runs every stage so).
-# Knobs: STEPS (optimizer steps a run; default 30), SYNC_STEPS (the synchronous run's; STEPS), LR (learning rate; the
+# Knobs: STEPS (optimizer steps a run; default 30), SYNC_STEPS (the synchronous run's; STEPS; 0 skips it), LR (learning rate; the
 # workload's by default), RUN_TIMEOUT (s a training run; 200), SYNC_TIMEOUT (RUN_TIMEOUT), TRL_TIMEOUT (560), PORT
 # (8000), OUT (the call's $OUT; outputs/outcomes here).
 set -uo pipefail
@@ -76,6 +76,7 @@ train_runs() {  # step-0 baseline, async (max_staleness 4) and synchronous (0) r
   serve "$MODEL"
   x python3 scripts/eval_heldout.py --base-url "$URL" --num-prompts 256 --k 4 --max-tokens 256 --out "$OUT/baseline.json"
   run_ours async 4 "$STEPS" "${RUN_TIMEOUT:-200}"
+  [ "${SYNC_STEPS:-$STEPS}" = 0 ] && { echo "SYNC_STEPS=0: no synchronous run"; return 0; }
   run_ours sync 0 "${SYNC_STEPS:-$STEPS}" "${SYNC_TIMEOUT:-${RUN_TIMEOUT:-200}}"
 }
 
