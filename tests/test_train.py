@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, start_server
+from conftest import REPO
 from grpo.config import AsyncGRPOConfig
 
 PY = sys.executable
@@ -133,11 +133,9 @@ def _model_logprobs(path, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def train_server(tiny_qwen3, tmp_path_factory):
-    """This module's own server: training changes its weights, which must not leak into other tests."""
-    server = start_server(tiny_qwen3, tmp_path_factory.mktemp("train_vllm"))
-    yield server
-    server.stop()
+def train_server(scratch_server):
+    """Training changes the server's weights: the shared server, lent and restored at the module's end."""
+    return scratch_server
 
 
 @pytest.mark.vllm

@@ -143,13 +143,9 @@ def test_chunk_boundaries_match_vllm_packer():
 
 # ---- real vLLM CPU server ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def qwen3_server(tiny_qwen3, tmp_path_factory):
-    """Own server: these tests replace its weights, which the shared `vllm_server` must keep."""
-    from conftest import start_server
-
-    server = start_server(tiny_qwen3, tmp_path_factory.mktemp("ws_qwen3"))
-    yield server
-    server.stop()
+def qwen3_server(scratch_server):
+    """These tests replace the server's weights: the shared server, lent and restored at the module's end."""
+    return scratch_server
 
 
 @pytest.mark.vllm

@@ -90,7 +90,7 @@ class SoakServer:
     def stop(self) -> None:
         if self.restarting is not None:
             self.restarting.join(400)
-        self.process.stop()
+        self.process.stop(timeout=5)  # a restarted server can sit out the whole SIGTERM grace (30 s) at the end
 
 
 @pytest.fixture(scope="module")
