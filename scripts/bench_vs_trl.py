@@ -13,6 +13,7 @@ never in requirements*.txt.
 
     python scripts/bench_vs_trl.py --workload real --dry-run          # mapping + both configs, no TRL, no GPU
     python scripts/bench_vs_trl.py --workload real --side trl --out outputs/trl_real
+    python scripts/bench_vs_trl.py --workload real --side trl --cpu-smoke --out outputs/trl_smoke   # CPU, ~1 min
     python scripts/bench_vs_trl.py --workload real --side ours --base-url http://127.0.0.1:8000 --out outputs/ours
     python scripts/bench_vs_trl.py --report outputs/outcomes              # table + curves.png from the runs
 
@@ -84,6 +85,8 @@ class BenchSettings:
     """Seed for both trainers (data order, sampling)."""
     ignore_eos: bool = False
     """Force every completion to max_completion_length (the `shape` workload)."""
+    trl_vllm: bool = True
+    """TRL generates with its colocated vLLM (bf16 autocast); False: with transformers in fp32 (`--cpu-smoke`)."""
 
     @property
     def samples_per_step(self) -> int:
@@ -101,6 +104,14 @@ WORKLOADS = {
                            reward="letters", max_completion_length=384, learning_rate=1e-6, max_steps=20,
                            ignore_eos=True),
 }
+
+
+def cpu_smoke(s: BenchSettings) -> BenchSettings:
+    """TRL's side shrunk to run on a CPU in about a minute (G = 2, 2 prompts, 16 tokens, 2 steps, no evaluation,
+    transformers' generation): checks the TRL install, its config, our reward under TRL's call and the curve
+    callback before device time is spent on them."""
+    return dataclasses.replace(s, num_generations=2, prompts_per_step=2, max_completion_length=16, max_steps=2,
+                               eval_dataset=None, trl_vllm=False)
 
 
 def ours_argv(s: BenchSettings, base_url: str, output_dir: str) -> list[str]:
@@ -130,9 +141,9 @@ def trl_config_kwargs(s: BenchSettings, output_dir: str) -> dict:
         epsilon_high=0.28 if s.loss == "dapo" else 0.2, scale_rewards="group", importance_sampling_level="token",
         vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_mask",
         vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=5.0, mask_truncated_completions=False,
-        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=s.gpu_memory_utilization,
+        use_vllm=s.trl_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=s.gpu_memory_utilization,
         vllm_max_model_length=s.max_prompt_tokens + s.max_completion_length, vllm_enable_sleep_mode=False,
-        generation_kwargs=generation_kwargs, bf16=True, gradient_checkpointing=False, max_steps=s.max_steps,
+        generation_kwargs=generation_kwargs, bf16=s.trl_vllm, gradient_checkpointing=False, max_steps=s.max_steps,
         seed=s.seed, logging_steps=1, save_strategy="no", report_to="none", log_completions=False)
 
 
@@ -209,7 +220,8 @@ def run_trl(s: BenchSettings, out: Path) -> None:
 
     config = trl.GRPOConfig(**trl_config_kwargs(s, str(out / "checkpoints")))
     print(f"TRL {trl.__version__} GRPOConfig:\n{config.to_json_string()}", flush=True)
-    use_attention_backend(os.environ.get("GPUVLLM_ATTN", "TRITON_ATTN"))
+    if s.trl_vllm:
+        use_attention_backend(os.environ.get("GPUVLLM_ATTN", "TRITON_ATTN"))
     held_out = list(load_prompts(s.eval_dataset))[:s.eval_prompts] if s.eval_dataset else []
     curve = open(out / "curve.jsonl", "w")
     # the training clock starts when TRL's trainer does (its colocated vLLM engine is built by then, as our server
@@ -234,7 +246,7 @@ def run_trl(s: BenchSettings, out: Path) -> None:
 
         def on_train_begin(self, args, state, control, **kwargs):
             state_box["t0"] = time.time()
-            print(f"TRL start-up (imports, model, colocated vLLM engine): {state_box['t0'] - start:.1f} s", flush=True)
+            print(f"TRL start-up (imports, model, its colocated vLLM engine if any): {state_box['t0'] - start:.1f} s", flush=True)
             self.evaluate(0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -407,6 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="override the workload's optimizer steps")
     parser.add_argument("--learning-rate", type=float, default=None, help="override the workload's learning rate")
     parser.add_argument("--eval-steps", type=int, default=None, help="override the workload's evaluation interval")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="with --side trl: a two-step run on CPU without vLLM (cpu_smoke), before device time")
     parser.add_argument("--report", type=Path, default=None, help="summarise the runs under this folder")
     parser.add_argument("--baseline", type=Path, default=None, help="eval_heldout.py JSON: the step-0 point")
     args = parser.parse_args(argv)
@@ -418,6 +432,10 @@ def main(argv: list[str] | None = None) -> None:
     s = dataclasses.replace(s, **{k: v for k, v in (("model", args.model), ("max_steps", args.max_steps),
                                                      ("learning_rate", args.learning_rate),
                                                      ("eval_steps", args.eval_steps)) if v})
+    if args.cpu_smoke:
+        if args.side != "trl":
+            parser.error("--cpu-smoke runs TRL's side only (--side trl); ours needs a vLLM server")
+        s = cpu_smoke(s)
     if args.dry_run or not args.side:
         return print_dry_run(args.workload, s)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,23 @@ def test_both_sides_train_the_same_step(workload):
     assert (ours.eval_dataset is None) == (s.eval_dataset is None)
 
 
+def test_cpu_smoke_changes_only_size_and_generation():
+    """--cpu-smoke: TRL generates with transformers in fp32 and the run is tiny; every other TRL setting (loss, clip,
+    mask, schedule, optimiser) is the real workload's."""
+    real = bench_vs_trl.WORKLOADS["real"]
+    smoke = bench_vs_trl.cpu_smoke(real)
+    a, b = bench_vs_trl.trl_config_kwargs(real, "x"), bench_vs_trl.trl_config_kwargs(smoke, "x")
+    assert a["use_vllm"] and a["bf16"] and not b["use_vllm"] and not b["bf16"]
+    changed = {k for k in a if a[k] != b[k]}
+    assert changed == {"use_vllm", "bf16", "num_generations", "per_device_train_batch_size",
+                       "gradient_accumulation_steps", "steps_per_generation", "max_completion_length", "max_steps",
+                       "vllm_max_model_length"}, changed
+    assert smoke.eval_dataset is None and b["per_device_train_batch_size"] * b["gradient_accumulation_steps"] == 4
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_vs_trl.py"), "--side", "ours",
+                             "--cpu-smoke"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode != 0 and "--side trl" in result.stderr
+
+
 def test_dry_run_prints_mapping_and_both_configs():
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_vs_trl.py"), "--workload", "real",
                              "--dry-run"], capture_output=True, text=True, timeout=60, cwd=REPO)
