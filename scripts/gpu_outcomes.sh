@@ -17,7 +17,8 @@
 # DRY_RUN=1 prints each stage's commands instead of running them (tests/test_gpu_outcomes.py runs every stage so).
 # Knobs: STEPS (optimizer steps a run; default 30), SYNC_STEPS (the synchronous run's; STEPS; 0 skips it), LR (learning rate; the
 # workload's by default), RUN_TIMEOUT (s a training run; 200), SYNC_TIMEOUT (RUN_TIMEOUT), TRL_TIMEOUT (560), PORT
-# (8000), OUT (the call's $OUT; outputs/outcomes here).
+# (8000), OUT (the call's $OUT; outputs/outcomes here), API_SERVERS (our server's --api-server-count; vLLM's default,
+# one, unless set: the 2026-12-07 run was generation-bound at 2.3-7.1k tok/s with one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:?"usage: gpu_outcomes.sh prepare|model_a|model_b|train|all|collect|trl_a|trl|shape|report"}
@@ -47,7 +48,8 @@ device_setup() {  # the vLLM 0.26 GPU bundle (unpacked to /tmp/site), the traine
 
 serve() {  # serve MODEL: our server (30 % of the GPU, CUDA-IPC weight transfer), waits for health
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 GPUVLLM_LOG_DIR="$OUT" x vllm_serve "$1" "$PORT" \
-    --logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "ipc_inplace"}' --max-logprobs 20
+    --logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "ipc_inplace"}' --max-logprobs 20 \
+    ${API_SERVERS:+--api-server-count $API_SERVERS}
   x vllm_wait "$PORT" 300 || exit 1
 }
 
