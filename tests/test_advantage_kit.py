@@ -57,24 +57,30 @@ def close(a, b) -> None:
 
 # ---- estimators --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ESTIMATORS)
-def test_every_estimator_ships_a_hand_case(name):
+# Both kinds: (kind, name) pairs, each kind's case lookup and runner.
+EVERY = [("estimator", n) for n in ESTIMATORS] + [("transform", n) for n in TRANSFORMS]
+CASE_FOR = {"estimator": estimator_case_for, "transform": transform_case_for}
+RUN_CASE = {"estimator": run_estimator_case, "transform": run_transform_case}
+
+
+@pytest.mark.parametrize("kind,name", EVERY)
+def test_everything_registered_ships_a_hand_case(kind, name):
     try:
-        estimator_case_for(name)
+        CASE_FOR[kind](name)
     except LookupError as exc:
         pytest.fail(str(exc))
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
-def test_estimator_hand_case(name):
-    case = estimator_case_for(name)
-    np.testing.assert_allclose(run_estimator_case(name, case), case.want, rtol=1e-12, atol=1e-12,
-                               err_msg=f"{name} differs from its hand-computed case")
+@pytest.mark.parametrize("kind,name", EVERY)
+def test_hand_case(kind, name):
+    case = CASE_FOR[kind](name)
+    np.testing.assert_allclose(RUN_CASE[kind](name, case), case.want, rtol=1e-12, atol=1e-12,
+                               err_msg=f"{kind} {name} differs from its hand-computed case")
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
-def test_estimator_case_reaches_every_option(name):
-    assert not option_effect_problems("estimator", name, estimator_case_for(name))
+@pytest.mark.parametrize("kind,name", EVERY)
+def test_case_reaches_every_option(kind, name):
+    assert not option_effect_problems(kind, name, CASE_FOR[kind](name))
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)
@@ -127,26 +133,6 @@ def test_a_higher_reward_never_gets_a_lower_advantage_at_equal_lengths(name):
 
 
 # ---- batch transforms -------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name", TRANSFORMS)
-def test_every_transform_ships_a_hand_case(name):
-    try:
-        transform_case_for(name)
-    except LookupError as exc:
-        pytest.fail(str(exc))
-
-
-@pytest.mark.parametrize("name", TRANSFORMS)
-def test_transform_hand_case(name):
-    case = transform_case_for(name)
-    np.testing.assert_allclose(run_transform_case(name, case), case.want, rtol=1e-12, atol=1e-12,
-                               err_msg=f"{name} differs from its hand-computed case")
-
-
-@pytest.mark.parametrize("name", TRANSFORMS)
-def test_transform_case_reaches_every_option(name):
-    assert not option_effect_problems("transform", name, transform_case_for(name))
-
 
 def random_step(seed: int, zero_group: bool = False) -> list[TrainingSample]:
     """A step's samples: 4 groups of 2-4 rollouts, some multi-turn (2 samples), unequal trained tokens, and a
@@ -235,6 +221,6 @@ def test_example_plugins_pass_the_kits_and_a_one_line_mutation_of_each_fails(tmp
     assert clean.returncode == 0 and " passed" in clean.stdout, clean.stdout[-3000:]
     mutated = run_kit(tmp_path, mutate=True)
     assert mutated.returncode == 1, mutated.stdout[-3000:]
-    for failing in ("test_estimator_hand_case[length_penalized]", "test_transform_hand_case[token_whiten]",
+    for failing in ("test_hand_case[estimator-length_penalized]", "test_hand_case[transform-token_whiten]",
                     "test_hand_computed_case[kl_cov]"):
         assert failing in mutated.stdout, (failing, mutated.stdout[-3000:])
