@@ -27,7 +27,7 @@ from grpo.data import text_messages
 from grpo.flow_control import ConcurrencyCap, TokenAllowance
 from grpo.multiturn import FoldStats, fold_turns
 from grpo.samples import ConsumedGroup, Rollout, RolloutGroup, TrainingSample
-from grpo.scoring import (RewardFunctionError, group_metrics, is_kept, rollout_metrics, score_group,
+from grpo.scoring import (RewardFunctionError, drop_reason, group_metrics, rollout_metrics, score_group,
                           timed_get_reward)
 from grpo.server_pool import GroupHome, NoServerLeftError, Server, ServerPool
 from grpo.shared_state import LoopOptions, SharedState
@@ -54,15 +54,6 @@ class _RolloutResult:
     env_reward: tuple[type, Any] | None
     duration_s: float
     reset_error: EnvResetError | None = None
-
-
-def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool = True) -> str | None:
-    """None when the group is kept; else why it is dropped (the spec's rule on rewards, plus no trainable token)."""
-    if num_samples == 0:
-        return "no_samples"
-    if is_kept(rewards, drop_equal_rewards):
-        return None
-    return "unscored" if np.isnan(np.asarray(rewards, dtype=np.float64)).all() else "equal_rewards"
 
 
 class RolloutScheduler:

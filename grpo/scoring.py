@@ -214,6 +214,15 @@ def is_kept(rewards: np.ndarray, drop_equal_rewards: bool = True) -> bool:
     return len(scored) >= 2 and bool(scored.max() != scored.min())
 
 
+def drop_reason(rewards: np.ndarray, num_samples: int, drop_equal_rewards: bool = True) -> str | None:
+    """None when the group is kept; else why it is dropped (the spec's rule on rewards, plus no trainable token)."""
+    if num_samples == 0:
+        return "no_samples"
+    if is_kept(rewards, drop_equal_rewards):
+        return None
+    return "unscored" if np.isnan(np.asarray(rewards, dtype=np.float64)).all() else "equal_rewards"
+
+
 def duplicate_count(group: RolloutGroup) -> int:
     """Rollouts whose per-turn output ids equal those of an earlier rollout of the group (docs/design.md §10)."""
     seen, dups = set(), 0

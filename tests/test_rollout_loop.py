@@ -674,7 +674,7 @@ def test_prompt_too_long_stops_the_run_but_a_full_conversation_just_ends(tiny_qw
 
 
 def test_drop_reasons():
-    from grpo.scheduler import drop_reason
+    from grpo.scoring import drop_reason
 
     assert drop_reason(np.array([1.0, 0.0]), 2) is None
     assert drop_reason(np.array([1.0, 1.0]), 2) == "equal_rewards"
