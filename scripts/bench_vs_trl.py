@@ -344,9 +344,8 @@ def report(folder: Path, baseline: Path | None) -> dict:
     for, printed: every eval point, gain over step 0 with its interval, time to the peer's final accuracy."""
     from eval_heldout import wilson_interval
 
-    runs = {p.parent.name: load_curve(p.parent) for p in sorted(folder.glob("*/*.json*"))
-            if p.name in ("curve.jsonl", "wall.json") and (p.parent / ("curve.jsonl" if p.name == "curve.jsonl"
-                                                                          else "metrics.jsonl")).exists()}
+    runs = {d.name: load_curve(d) for d in sorted(folder.iterdir()) if (d / "curve.jsonl").exists()
+            or ((d / "wall.json").exists() and (d / "metrics.jsonl").exists())}
     base = json.loads(baseline.read_text()) if baseline and baseline.exists() else None
     curves = {}
     for name, (steps, evals) in runs.items():
